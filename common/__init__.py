@@ -1,0 +1,1 @@
+"""Shared pieces of treespec: config, trees, acceptance, Qwen3, paged KV, codec."""

@@ -1,0 +1,161 @@
+"""Qwen3 decoder over paged KV, loaded from an HF checkpoint.
+
+One forward serves prefill (a chain chunk), decode (a one-token chunk) and tree
+verify ([root, nodes] chunks): the chunk layout of kernels/reference.py carries
+the difference. q/k/v and gate/up projections are fused at load time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.checkpoint import load_state_dict
+from common.forward_batch import ForwardBatch
+from common.kv_cache import PagedKVCache
+from common.model_config import Qwen3Spec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos, sin [T, D/2] (HF's rotate-half convention)."""
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d].float(), x[..., d:].float()
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def rope_inv_freq(spec: Qwen3Spec, device: torch.device) -> torch.Tensor:
+    hd = spec.head_dim
+    exps = torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd
+    return (1.0 / spec.rope_theta ** exps).float()
+
+
+class Qwen3Layer(nn.Module):
+    def __init__(self, spec: Qwen3Spec) -> None:
+        super().__init__()
+        h, hd = spec.hidden_size, spec.head_dim
+        self.spec = spec
+        self.q_size = spec.num_heads * hd
+        self.kv_size = spec.num_kv_heads * hd
+        self.input_norm = nn.Parameter(torch.ones(h))
+        self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
+        self.q_norm = nn.Parameter(torch.ones(hd))
+        self.k_norm = nn.Parameter(torch.ones(hd))
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.post_norm = nn.Parameter(torch.ones(h))
+        self.gate_up = nn.Linear(h, 2 * spec.intermediate_size, bias=False)
+        self.down = nn.Linear(spec.intermediate_size, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                fb: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                ops: ModuleType) -> torch.Tensor:
+        s, eps = self.spec, self.spec.rms_norm_eps
+        t = x.shape[0]
+        qkv = self.qkv(rms_norm(x, self.input_norm, eps))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rope(rms_norm(q.view(t, s.num_heads, s.head_dim), self.q_norm, eps), cos, sin)
+        k = rope(rms_norm(k.view(t, s.num_kv_heads, s.head_dim), self.k_norm, eps), cos, sin)
+        v = v.view(t, s.num_kv_heads, s.head_dim)
+        ops.write_kv(k_cache, v_cache, k, v, fb.slots)
+        attn = ops.paged_tree_attention(q, k_cache, v_cache, fb.block_tables, fb.context_lens,
+                                        fb.cu_q, fb.chunk_parents, s.head_dim ** -0.5)
+        x = x + self.o_proj(attn.reshape(t, self.q_size))
+        gate, up = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Qwen3Model(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head of a Qwen3 checkpoint."""
+
+    def __init__(self, spec: Qwen3Spec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(Qwen3Layer(spec) for _ in range(spec.num_layers))
+        self.norm = nn.Parameter(torch.ones(spec.hidden_size))
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(spec, self.embed.weight.device),
+                             persistent=False)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> "Qwen3Model":
+        spec = Qwen3Spec.from_dir(path)
+        with torch.device("meta"):
+            model = cls(spec)
+        model.load_hf_state(load_state_dict(path, dtype=dtype), dtype, torch.device(device))
+        return model.eval().requires_grad_(False)
+
+    def load_hf_state(self, sd: dict[str, torch.Tensor], dtype: torch.dtype,
+                      device: torch.device) -> None:
+        """Take HF Qwen3ForCausalLM tensor names, fusing qkv and gate/up."""
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise KeyError(f"checkpoint lacks tensor {name!r}")
+            return sd[name]
+
+        own: dict[str, torch.Tensor] = {"embed.weight": take("model.embed_tokens.weight"),
+                                        "norm": take("model.norm.weight")}
+        own["lm_head.weight"] = (sd["lm_head.weight"] if "lm_head.weight" in sd
+                                 and not self.spec.tie_word_embeddings else own["embed.weight"])
+        for i in range(self.spec.num_layers):
+            p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            o = f"layers.{i}."
+            own[o + "input_norm"] = take(p + "input_layernorm.weight")
+            own[o + "post_norm"] = take(p + "post_attention_layernorm.weight")
+            own[o + "qkv.weight"] = torch.cat([take(a + n + "_proj.weight") for n in "qkv"])
+            if self.spec.attention_bias:
+                own[o + "qkv.bias"] = torch.cat([take(a + n + "_proj.bias") for n in "qkv"])
+            own[o + "q_norm"] = take(a + "q_norm.weight")
+            own[o + "k_norm"] = take(a + "k_norm.weight")
+            own[o + "o_proj.weight"] = take(a + "o_proj.weight")
+            own[o + "gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"),
+                                                   take(m + "up_proj.weight")])
+            own[o + "down.weight"] = take(m + "down_proj.weight")
+        own = {k: v.to(device=device, dtype=dtype) for k, v in own.items()}
+        self.load_state_dict(own, strict=False, assign=True)
+        self.inv_freq = rope_inv_freq(self.spec, device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        s = self.spec
+        return PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, num_blocks,
+                            block_size, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, cache: PagedKVCache, ops: ModuleType,
+                capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final-normed hidden states [T, hidden] and, for each layer index in
+        capture_layers, the residual stream entering that layer [T, hidden]
+        (index num_layers = the output of the last layer, before the final norm)."""
+        freqs = fb.positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        cos, sin = freqs.cos(), freqs.sin()
+        x = self.embed(fb.input_ids)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in capture_layers:
+                captured[i] = x
+            x = layer(x, cos, sin, fb, cache.k[i], cache.v[i], ops)
+        if self.spec.num_layers in capture_layers:
+            captured[self.spec.num_layers] = x
+        return rms_norm(x, self.norm, self.spec.rms_norm_eps), [captured[i] for i in capture_layers]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

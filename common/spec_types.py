@@ -1,0 +1,51 @@
+"""Domain types of the Speculate hop, free of protobuf (see protos/treespec/v1).
+
+The verify service is the only authority on committed tokens; these messages
+tell the draft what was committed since it last heard, and carry its trees back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.tree import TreeEnvelope
+
+
+@dataclass
+class SeqUpdate:
+    seq_id: int
+    committed_len: int            # after new_tokens, prompt included
+    new_tokens: list[int]         # since the last update; everything if full
+    full: bool = False
+    accepted_nodes: list[int] = field(default_factory=list)  # of step accepted_step_id
+    accepted_step_id: int = 0
+    hidden: torch.Tensor | None = None  # [len(new_tokens), layers * hidden]
+
+
+@dataclass
+class SpecRequest:
+    step_id: int
+    seqs: list[SeqUpdate]
+    released: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TreeBatch:
+    """One fixed-shape tree per sequence, rows in the request's order."""
+
+    step_id: int
+    seq_ids: list[int]
+    tokens: torch.Tensor   # [B, N] int32
+    parents: torch.Tensor  # [B, N] int32, -1 root, -2 padding
+    resync: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    envelope: TreeEnvelope
+    vocab_size: int
+    proposer: str
+    target_hidden_layers: tuple[int, ...] = ()
+    model: str = ""

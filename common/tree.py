@@ -1,0 +1,112 @@
+"""Fixed-envelope token trees.
+
+A *tree* hangs `num_nodes` draft nodes off the *root*, the last committed token
+(whose KV is not yet written). Node i has a draft token ``tokens[i]`` and a parent
+``parents[i]``: -1 is the root, j >= 0 is node j (always j < i, so nodes are in
+topological order), and -2 marks padding that attention and acceptance ignore.
+
+Example, ``tree-small``-like, N = 4::
+
+    root ─ a(0) ─ c(2)          tokens  = [a, b, c, d]
+         └ b(1) ─ d(3)          parents = [-1, -1, 0, 1]
+
+The *envelope* (depth, topk, num_nodes) is server configuration agreed at
+handshake: every proposal has tensors of shape [B, num_nodes], so verify and
+draft forwards can be captured once per batch bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROOT = -1
+PAD = -2
+
+
+@dataclass(frozen=True)
+class TreeEnvelope:
+    depth: int
+    topk: int
+    num_nodes: int
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.topk < 1 or self.num_nodes < 1:
+            raise ValueError(f"envelope needs depth, topk, num_nodes >= 1, got {self}")
+        if self.topk == 1 and self.num_nodes != self.depth:
+            raise ValueError(f"a chain (topk=1) has num_nodes == depth, got {self}")
+        if self.num_nodes < self.depth:
+            raise ValueError(f"num_nodes {self.num_nodes} < depth {self.depth}")
+        if self.num_nodes > self.max_nodes:
+            raise ValueError(
+                f"num_nodes {self.num_nodes} exceeds what depth {self.depth} x topk "
+                f"{self.topk} expansion can produce ({self.max_nodes})")
+        if self.num_nodes > 64:
+            raise ValueError("num_nodes is at most 64 (the tree mask is one 64-bit word)")
+
+    @property
+    def max_nodes(self) -> int:
+        """Candidates an expansion produces: topk at depth 1, topk^2 per later level."""
+        return self.topk + (self.depth - 1) * self.topk * self.topk
+
+
+PRESETS: dict[str, TreeEnvelope] = {
+    "chain4": TreeEnvelope(depth=4, topk=1, num_nodes=4, name="chain4"),
+    "tree-small": TreeEnvelope(depth=4, topk=2, num_nodes=8, name="tree-small"),
+    "tree-wide": TreeEnvelope(depth=5, topk=4, num_nodes=32, name="tree-wide"),
+}
+
+
+def envelope_from(name: str | None = None, depth: int | None = None,
+                  topk: int | None = None, num_nodes: int | None = None) -> TreeEnvelope:
+    """A preset by name, or a custom envelope from all three numbers."""
+    if name is not None:
+        if any(v is not None for v in (depth, topk, num_nodes)):
+            raise ValueError("give an envelope name or depth/topk/nodes, not both")
+        if name not in PRESETS:
+            raise ValueError(f"unknown envelope {name!r}; presets: {sorted(PRESETS)}")
+        return PRESETS[name]
+    if depth is None and topk is None and num_nodes is None:
+        return PRESETS["chain4"]
+    if depth is None or topk is None or num_nodes is None:
+        raise ValueError("a custom envelope needs depth, topk and nodes")
+    return TreeEnvelope(depth=depth, topk=topk, num_nodes=num_nodes)
+
+
+def node_depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of each node (root children = 1); padding gets 0.
+
+    parents: [B, N] int -> [B, N] int32. Uses N gathers (N <= 64), on any device.
+    """
+    valid = parents >= 0
+    depth = torch.where(parents == ROOT, 1, 0).to(torch.int32)
+    idx = parents.clamp(min=0).long()
+    for _ in range(parents.shape[-1]):
+        depth = torch.where(valid, torch.gather(depth, -1, idx) + 1, depth)
+        depth = torch.where(parents == PAD, 0, depth)
+    return depth
+
+
+def validate_tree(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: int,
+                  vocab_size: int) -> str | None:
+    """Why a proposed tree is unusable, or None if it is well formed.
+
+    tokens, parents: [B, N] int32 on the host. Checks shape, parent order (a
+    parent comes before its child and is not padding) and token range.
+    """
+    if tokens.dim() != 2 or tokens.shape != parents.shape or tokens.shape[1] != num_nodes:
+        return f"tree tensors must be [B, {num_nodes}], got {tuple(tokens.shape)} / {tuple(parents.shape)}"
+    idx = torch.arange(num_nodes).expand_as(parents)
+    bad_parent = (parents < PAD) | (parents >= idx)
+    if bool(bad_parent.any()):
+        return "a parent index must be -2, -1 or an earlier node"
+    ok = parents >= 0
+    parent_pad = torch.gather(parents, 1, parents.clamp(min=0).long()) == PAD
+    if bool((ok & parent_pad).any()):
+        return "a node hangs off a padding node"
+    valid = parents != PAD
+    if bool((valid & ((tokens < 0) | (tokens >= vocab_size))).any()):
+        return f"a draft token is outside the vocabulary [0, {vocab_size})"
+    return None

@@ -1,0 +1,34 @@
+"""The one place that picks a kernel backend, once, when an engine is built."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+Backend = Literal["auto", "reference", "triton"]
+
+KERNEL_NAMES = ("write_kv", "paged_tree_attention", "accept_greedy", "compact_kv")
+
+
+def triton_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        importlib.import_module("kernels.triton_backend")
+    except ImportError:
+        return False
+    return True
+
+
+def select(device: torch.device, backend: Backend = "auto") -> ModuleType:
+    """The module whose functions named in KERNEL_NAMES the engine calls."""
+    if backend == "auto":
+        backend = "triton" if triton_available(device) else "reference"
+    if backend == "reference":
+        return importlib.import_module("kernels.reference")
+    if backend == "triton":
+        return importlib.import_module("kernels.triton_backend")
+    raise ValueError(f"unknown kernel backend {backend!r}")

@@ -1,0 +1,149 @@
+"""Pure-torch reference of every kernel: the oracle for tests and the CPU path.
+
+Layout shared by all kernels (the Triton ones in this package take the same):
+
+* KV pages: ``k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]`` for
+  one layer. A sequence's slot ``s`` lives at page ``block_table[s // block_size]``,
+  offset ``s % block_size``; flat slot id = page * block_size + offset.
+* A forward *chunk* per sequence b: ``q_len[b]`` query tokens written at slots
+  ``context_len[b] .. context_len[b] + q_len[b] - 1``, right after the
+  ``context_len[b]`` slots whose KV is committed. Queries of all sequences are
+  concatenated: ``q [total_q, q_heads, head_dim]`` with offsets ``cu_q [B + 1]``.
+* The chunk's own structure comes from ``chunk_parents [total_q]``: for each query,
+  the chunk-local index of its parent, -1 for none (it sees only the context and
+  itself), -2 for padding. Prefill is a chain (parent = i - 1); a tree verify is
+  [root, nodes] with root -1 and node i -> parent + 1 (or 0 for the root).
+  A query attends to every context slot and to its chunk ancestors and itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PAD = -2
+
+
+def chunk_mask(chunk_parents: torch.Tensor) -> torch.Tensor:
+    """Ancestor-or-self mask of one chunk: [T] parents -> [T, T] bool.
+
+    mask[i, j] is True when j is i or an ancestor of i. Padding rows see only
+    themselves (so softmax stays finite) and nobody sees padding. A chain (prefill)
+    is the causal mask; a tree walks every node's ancestors up, one level a round.
+    """
+    t = chunk_parents.shape[0]
+    dev = chunk_parents.device
+    parent = chunk_parents.long()
+    rows = torch.arange(t, device=dev)
+    if bool((parent == rows - 1).all()):
+        return torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+    eye = torch.eye(t, dtype=torch.bool, device=dev)
+    mask = eye.clone()
+    hop = torch.where(parent >= 0, parent, -1)
+    while bool((hop >= 0).any()):
+        live = hop >= 0
+        mask[rows[live], hop[live]] = True
+        up = torch.full_like(hop, -1)
+        up[live] = parent[hop[live]].clamp(min=-1)
+        hop = up
+    pad = parent == PAD
+    mask[:, pad] = False
+    mask[pad] = eye[pad]
+    return mask
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store k, v [T, kv_heads, head_dim] at flat slots [T] of one layer's pages."""
+    nb, bs = k_cache.shape[:2]
+    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slots.long(), k.to(k_cache.dtype))
+    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slots.long(), v.to(v_cache.dtype))
+
+
+def gather_slots(block_table: torch.Tensor, start: int, length: int, block_size: int) -> torch.Tensor:
+    """Flat slot ids of a sequence's slots start .. start+length-1: [length] int64."""
+    pos = torch.arange(start, start + length, device=block_table.device)
+    return block_table.long()[pos // block_size] * block_size + pos % block_size
+
+
+def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor,
+                         cu_q: torch.Tensor, chunk_parents: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Attention of each chunk query over its sequence's context and chunk ancestors.
+
+    q [total_q, q_heads, D]; caches [num_blocks, block_size, kv_heads, D] with the
+    chunk's own K/V already written; block_tables [B, max_blocks] int32;
+    context_lens [B]; cu_q [B + 1]; chunk_parents [total_q]. GQA: q head h reads
+    kv head h // (q_heads // kv_heads). Returns [total_q, q_heads, D] in q's dtype.
+    """
+    out = torch.empty_like(q)
+    bs = k_cache.shape[1]
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    flat_k = k_cache.view(-1, hkv, k_cache.shape[-1])
+    flat_v = v_cache.view(-1, hkv, v_cache.shape[-1])
+    cu = cu_q.tolist()
+    ctx = context_lens.tolist()
+    for b in range(len(ctx)):
+        lo, hi = cu[b], cu[b + 1]
+        if hi == lo:
+            continue
+        t = hi - lo
+        slots = gather_slots(block_tables[b], 0, ctx[b] + t, bs)
+        k = flat_k[slots].float().repeat_interleave(group, dim=1)  # [S, hq, D]
+        v = flat_v[slots].float().repeat_interleave(group, dim=1)
+        qb = q[lo:hi].float()                                       # [t, hq, D]
+        scores = torch.einsum("thd,shd->hts", qb, k) * scale        # [hq, t, S]
+        visible = torch.ones(t, ctx[b] + t, dtype=torch.bool, device=q.device)
+        visible[:, ctx[b]:] = chunk_mask(chunk_parents[lo:hi])
+        visible[chunk_parents[lo:hi] == PAD, :ctx[b]] = False
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[lo:hi] = torch.einsum("hts,shd->thd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor,
+                  target_ids: torch.Tensor, max_depth: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The greedy accept walk over a batch of trees.
+
+    tokens, parents: [B, N] draft tokens and parents (-1 root, -2 padding).
+    target_ids: [B, N + 1] the target's choice at [root, node 0 .. node N-1].
+    From the root, step to the lowest-index child whose token equals the target's
+    choice at the current node; stop when none does.
+
+    Returns accepted [B, max_depth] node indices (root to leaf, padded with -1),
+    num_accepted [B] and bonus [B] = the target's choice at the last accepted node.
+    """
+    b, n = tokens.shape
+    dev = tokens.device
+    accepted = torch.full((b, max_depth), -1, dtype=torch.int32, device=dev)
+    num = torch.zeros(b, dtype=torch.int32, device=dev)
+    cur = torch.full((b,), -1, dtype=torch.long, device=dev)    # -1 = the root
+    alive = torch.ones(b, dtype=torch.bool, device=dev)
+    node_idx = torch.arange(n, device=dev).expand(b, n)
+    for d in range(max_depth):
+        want = torch.gather(target_ids, 1, (cur + 1).unsqueeze(1))          # [B, 1]
+        match = (parents.long() == cur.unsqueeze(1)) & (tokens == want) & alive.unsqueeze(1)
+        first = torch.where(match, node_idx, n).min(dim=1).values          # [B]
+        found = first < n
+        accepted[:, d] = torch.where(found, first, -1).to(torch.int32)
+        num += found.to(torch.int32)
+        cur = torch.where(found, first, cur)
+        alive &= found
+    bonus = torch.gather(target_ids, 1, (cur + 1).unsqueeze(1)).squeeze(1)
+    return accepted, num, bonus
+
+
+def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor,
+               dst: torch.Tensor) -> None:
+    """Move KV of flat slots src -> dst [M] in every layer.
+
+    Caches [layers, num_blocks, block_size, kv_heads, D]. Accepted-path moves have
+    src >= dst and increasing dst, so gathering before scattering is safe.
+    """
+    if src.numel() == 0:
+        return
+    for cache in (k_cache, v_cache):
+        flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
+        flat[:, dst.long()] = flat[:, src.long()]
