@@ -1,0 +1,25 @@
+"""Device and dtype choice from config strings, in one place."""
+
+from __future__ import annotations
+
+import torch
+
+
+def pick_device(name: str) -> torch.device:
+    """'auto' = the first visible GPU, else the CPU; otherwise a torch device string."""
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but no CUDA device is visible")
+    return dev
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' = bfloat16 on a GPU, float32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}; expected auto or one of {sorted(table)}")
+    return table[name]

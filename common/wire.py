@@ -1,0 +1,69 @@
+"""protobuf <-> common types for the Drafter hop; both servicers use these."""
+
+from __future__ import annotations
+
+import torch
+
+from common import codec
+from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, TreeBatch
+from common.tree import TreeEnvelope
+from protos.treespec.v1 import treespec_pb2 as pb
+
+
+def envelope_to_pb(e: TreeEnvelope) -> pb.TreeEnvelope:
+    return pb.TreeEnvelope(name=e.name, depth=e.depth, topk=e.topk, num_nodes=e.num_nodes)
+
+
+def envelope_from_pb(m: pb.TreeEnvelope) -> TreeEnvelope:
+    return TreeEnvelope(depth=m.depth, topk=m.topk, num_nodes=m.num_nodes, name=m.name or "custom")
+
+
+def drafter_info_to_pb(i: DrafterInfo) -> pb.DrafterInfo:
+    return pb.DrafterInfo(envelope=envelope_to_pb(i.envelope), vocab_size=i.vocab_size,
+                          proposer=i.proposer, target_hidden_layers=list(i.target_hidden_layers),
+                          model=i.model)
+
+
+def drafter_info_from_pb(m: pb.DrafterInfo) -> DrafterInfo:
+    return DrafterInfo(envelope=envelope_from_pb(m.envelope), vocab_size=m.vocab_size,
+                       proposer=m.proposer, target_hidden_layers=tuple(m.target_hidden_layers),
+                       model=m.model)
+
+
+def spec_request_to_pb(r: SpecRequest, staging: codec.Staging | None = None) -> pb.SpeculateRequest:
+    seqs = []
+    for u in r.seqs:
+        m = pb.SequenceUpdate(seq_id=u.seq_id, committed_len=u.committed_len,
+                              new_tokens=u.new_tokens, full=u.full,
+                              accepted_nodes=u.accepted_nodes,
+                              accepted_step_id=u.accepted_step_id)
+        if u.hidden is not None:
+            m.hidden_states.CopyFrom(codec.encode(u.hidden, staging))
+        seqs.append(m)
+    return pb.SpeculateRequest(step_id=r.step_id, sequences=seqs, released=r.released)
+
+
+def spec_request_from_pb(m: pb.SpeculateRequest, device: torch.device | str = "cpu") -> SpecRequest:
+    seqs = [SeqUpdate(seq_id=u.seq_id, committed_len=u.committed_len,
+                      new_tokens=list(u.new_tokens), full=u.full,
+                      accepted_nodes=list(u.accepted_nodes),
+                      accepted_step_id=u.accepted_step_id,
+                      hidden=codec.decode(u.hidden_states, device)
+                      if u.HasField("hidden_states") else None)
+            for u in m.sequences]
+    return SpecRequest(step_id=m.step_id, seqs=seqs, released=list(m.released))
+
+
+def tree_batch_to_pb(t: TreeBatch, staging: codec.Staging | None = None) -> pb.Proposal:
+    return pb.Proposal(step_id=t.step_id, seq_ids=t.seq_ids,
+                       tokens=codec.encode(t.tokens.to(torch.int32), staging),
+                       parents=codec.encode(t.parents.to(torch.int32), staging),
+                       resync=t.resync)
+
+
+def tree_batch_from_pb(m: pb.Proposal) -> TreeBatch:
+    """Raises codec.CodecError on tensors that are not int32 of matching shape."""
+    tokens = codec.decode(m.tokens, expect_dtype=torch.int32)
+    parents = codec.decode(m.parents, expect_dtype=torch.int32)
+    return TreeBatch(step_id=m.step_id, seq_ids=list(m.seq_ids), tokens=tokens,
+                     parents=parents, resync=list(m.resync))

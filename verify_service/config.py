@@ -1,0 +1,33 @@
+"""Verify service configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    model: str                        # checkpoint dir (or shipped name)
+    draft: str | None = None          # HOST:PORT of a draft service; None = plain decode
+    host: str = "127.0.0.1"
+    port: int = 0                     # 0 picks a free port
+    device: str = "auto"
+    dtype: str = "auto"
+    kernels: str = "auto"             # auto | reference | triton
+    num_blocks: int = 4096            # target KV pages
+    block_size: int = 16
+    max_batch: int = 32               # running sequences per step
+    max_model_len: int = 0            # 0 = the checkpoint's max_position_embeddings
+    prefill_tokens: int = 4096        # prompt tokens admitted per engine iteration
+    step_deadline_ms: float = 100.0   # wait this long for a proposal, then plain decode
+    reconnect_s: float = 1.0          # retry period while the draft is unreachable
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} out of range")
+        if self.draft is not None and ":" not in self.draft:
+            raise ValueError(f"--draft wants HOST:PORT, got {self.draft!r}")
+        if self.max_batch < 1 or self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError("max_batch, num_blocks and block_size must be >= 1")
+        if self.step_deadline_ms <= 0 or self.reconnect_s <= 0:
+            raise ValueError("step_deadline_ms and reconnect_s must be > 0")
