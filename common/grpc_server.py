@@ -1,0 +1,168 @@
+"""The grpc.aio server both services run: error mapping, health, reflection, stop.
+
+Servicers stay thin: they raise ``common.errors`` types (or let a
+``codec.CodecError`` through) and the interceptor here turns them into status
+codes, so no servicer method carries its own try/except:
+
+    InvalidRequest, CodecError -> INVALID_ARGUMENT   (the message says what was wrong)
+    Unavailable                -> UNAVAILABLE
+    anything else              -> INTERNAL           (logged with its traceback)
+
+``start_server`` builds and starts a server; ``run_server`` is the process
+main: uvloop, a ``listening on HOST:PORT`` first line on stdout, then graceful
+shutdown on SIGINT/SIGTERM (health NOT_SERVING, ``on_stop``,
+``await server.stop(grace)``), as grpc's
+``async_greeter_server_with_graceful_shutdown.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import signal
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common import codec
+from common.errors import InvalidRequest, Unavailable
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVER_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+_health_of: weakref.WeakKeyDictionary[grpc.aio.Server, health.aio.HealthServicer] = \
+    weakref.WeakKeyDictionary()
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and details an exception leaves a handler with."""
+    if isinstance(exc, (InvalidRequest, codec.CodecError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, Unavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    code, details = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("unhandled error in %s", method)
+    await context.abort(code, details)
+
+
+def _wrap(behavior: Callable, method: str) -> Callable:
+    """The same handler behaviour, with exceptions mapped to status codes."""
+    if inspect.isasyncgenfunction(behavior):
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
+                await _abort(context, method, exc)
+        return stream
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            result = behavior(request, context)
+            return await result if inspect.isawaitable(result) else result
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, method, exc)
+    return unary
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every handler so that domain errors become gRPC status codes."""
+
+    _factories = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails
+                                ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        kind = (handler.request_streaming, handler.response_streaming)
+        behavior = {(False, False): handler.unary_unary, (False, True): handler.unary_stream,
+                    (True, False): handler.stream_unary, (True, True): handler.stream_stream}[kind]
+        return self._factories[kind](_wrap(behavior, details.method),
+                                     request_deserializer=handler.request_deserializer,
+                                     response_serializer=handler.response_serializer)
+
+
+def _bind_address(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+async def start_server(host: str, port: int, add_servicers: Callable[[grpc.aio.Server], None],
+                       service_names: list[str]) -> tuple[grpc.aio.Server, int]:
+    """A started grpc.aio server with error mapping, health and reflection.
+
+    add_servicers registers the service's own servicers; service_names are their
+    full names (e.g. "treespec.v1.Drafter"), each reported SERVING by health and
+    listed by reflection. port 0 binds a free port; returns (server, bound port).
+    """
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=SERVER_OPTIONS)
+    add_servicers(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection([*service_names, health_name, reflection.SERVICE_NAME],
+                                        server)
+    bound = server.add_insecure_port(_bind_address(host, port))
+    if bound == 0:
+        raise OSError(f"could not bind {_bind_address(host, port)}")
+    for name in ("", *service_names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    _health_of[server] = health_servicer
+    await server.start()
+    return server, bound
+
+
+async def _serve(start: Callable[[], Awaitable[tuple[grpc.aio.Server, int]]], host: str,
+                 on_stop: Callable[[], Awaitable[None]] | None, grace_s: float) -> None:
+    server, port = await start()
+    print(f"listening on {host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("stopping: NOT_SERVING, then %.1fs grace", grace_s)
+        health_servicer = _health_of.get(server)
+        if health_servicer is not None:
+            await health_servicer.enter_graceful_shutdown()
+        if on_stop is not None:
+            await on_stop()
+    finally:
+        await server.stop(grace_s)
+
+
+def run_server(start: Callable[[], Awaitable[tuple[grpc.aio.Server, int]]], host: str,
+               on_stop: Callable[[], Awaitable[None]] | None = None,
+               grace_s: float = 5.0) -> None:
+    """Serve until SIGINT/SIGTERM; the first stdout line is ``listening on HOST:PORT``."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(_serve(start, host, on_stop, grace_s))
+    else:
+        uvloop.run(_serve(start, host, on_stop, grace_s))
