@@ -1,0 +1,293 @@
+"""The Python client SDK for the Generation service, sync and asyncio.
+
+    with TreespecClient("127.0.0.1:50051") as c:
+        c.wait_ready(30)
+        for chunk in c.generate_stream(prompt="def add(", max_tokens=32):
+            print(chunk.text, end="", flush=True)
+        done = c.generate(prompt_ids=[1, 2, 3], max_tokens=8)
+        print(done.token_ids, done.finish_reason, done.stats["accepted_tokens"])
+
+Every gRPC failure surfaces as `TreespecError`, carrying the status code and details.
+Leaving a stream early (break, close, task cancellation) cancels the server-side call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypedDict
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.treespec.v1 import treespec_pb2 as pb
+from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+FINISH_REASONS: dict[int, str] = {
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_CANCELLED: "cancelled",
+}
+STAT_KEYS = ("steps", "draft_tokens", "accepted_tokens", "fallback_steps",
+             "prompt_tokens", "completion_tokens")
+_RETRY_READY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 2000),
+                    ("grpc.max_receive_message_length", -1)]
+
+
+class TreespecError(RuntimeError):
+    """A failed call: `code` is the grpc.StatusCode, `details` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+    @classmethod
+    def from_rpc(cls, err: grpc.RpcError) -> "TreespecError":
+        return cls(err.code(), err.details() or "")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The tokens of one step; the last chunk has finish_reason and stats set."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stats: dict[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str            # "length" | "stop" | "cancelled"
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    model: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_model_len: int
+    draft_connected: bool
+    proposer: str
+    has_tokenizer: bool
+    envelope: dict[str, int | str] | None  # name, depth, topk, num_nodes; None without a draft
+
+
+class GenerateArgs(TypedDict, total=False):
+    """Keyword arguments of generate / generate_stream (besides prompt)."""
+
+    prompt_ids: list[int] | None
+    max_tokens: int
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    temperature: float            # 0 = greedy; anything else the server refuses for now
+    top_p: float
+    top_k: int
+    seed: int
+    no_speculation: bool          # plain decode for this request
+    request_id: str
+    timeout: float | None         # deadline in seconds; default the client's
+
+
+def build_request(prompt: str | None = None, prompt_ids: Iterable[int] | None = None,
+                  max_tokens: int = 64, stop_token_ids: Iterable[int] = (),
+                  ignore_eos: bool = False, temperature: float = 0.0, top_p: float = 1.0,
+                  top_k: int = 0, seed: int = 0, no_speculation: bool = False,
+                  request_id: str = "", timeout: float | None = None) -> pb.GenerateRequest:
+    """A GenerateRequest; exactly one of prompt / prompt_ids must be given.
+
+    `timeout` belongs to the call, not the message, and is ignored here.
+    """
+    if (prompt is None) == (prompt_ids is None):
+        raise ValueError("give exactly one of prompt or prompt_ids")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    return pb.GenerateRequest(
+        request_id=request_id, prompt=prompt or "",
+        prompt_ids=list(prompt_ids) if prompt_ids is not None else [],
+        max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+        sampling=pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
+        no_speculation=no_speculation)
+
+
+def chunk_from_pb(m: pb.GenerateResponse) -> Chunk:
+    reason = FINISH_REASONS.get(m.finish_reason)
+    stats = {k: int(getattr(m.stats, k)) for k in STAT_KEYS} if reason is not None else None
+    return Chunk(token_ids=list(m.token_ids), text=m.text, finish_reason=reason, stats=stats)
+
+
+def info_from_pb(m: pb.GenerationInfo) -> ServerInfo:
+    env = m.envelope
+    envelope = ({"name": env.name, "depth": env.depth, "topk": env.topk,
+                 "num_nodes": env.num_nodes} if m.HasField("envelope") and env.num_nodes else None)
+    return ServerInfo(model=m.model, vocab_size=m.vocab_size, eos_token_ids=list(m.eos_token_ids),
+                      max_model_len=m.max_model_len, draft_connected=m.draft_connected,
+                      proposer=m.proposer, has_tokenizer=m.has_tokenizer, envelope=envelope)
+
+
+class Collector:
+    """Folds a stream of chunks into one Completion."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.text: list[str] = []
+        self.last: Chunk | None = None
+
+    def add(self, c: Chunk) -> None:
+        self.ids += c.token_ids
+        self.text.append(c.text)
+        self.last = c
+
+    def result(self) -> Completion:
+        if self.last is None or self.last.finish_reason is None:
+            raise TreespecError(grpc.StatusCode.INTERNAL,
+                                "the stream ended without a finish_reason")
+        return Completion(token_ids=self.ids, text="".join(self.text),
+                          finish_reason=self.last.finish_reason, stats=self.last.stats or {})
+
+
+def _not_serving(r: health_pb2.HealthCheckResponse | None, err: grpc.RpcError | None) -> str | None:
+    """None when a health check says SERVING, else why not; raises if waiting cannot help."""
+    if err is not None:
+        if err.code() not in _RETRY_READY:
+            raise TreespecError.from_rpc(err) from None
+        return err.code().name
+    assert r is not None
+    if r.status == health_pb2.HealthCheckResponse.SERVING:
+        return None
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+
+class TreespecClient:
+    """Blocking client over one channel; use as a context manager or call close()."""
+
+    def __init__(self, addr: str, timeout: float | None = None) -> None:
+        self.addr = addr
+        self.timeout = timeout  # per-call deadline in seconds, None = none
+        self._channel = grpc.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def generate_stream(self, prompt: str | None = None, **kw: Unpack[GenerateArgs]) -> Iterator[Chunk]:
+        """Chunks as the server commits them; arguments as in `build_request`."""
+        call = self._stub.Generate(build_request(prompt, **kw),
+                                   timeout=kw.get("timeout", self.timeout))
+        try:
+            for m in call:
+                yield chunk_from_pb(m)
+        except grpc.RpcError as e:
+            raise TreespecError.from_rpc(e) from None
+        finally:
+            call.cancel()
+
+    def generate(self, prompt: str | None = None, **kw: Unpack[GenerateArgs]) -> Completion:
+        out = Collector()
+        for c in self.generate_stream(prompt, **kw):
+            out.add(c)
+        return out.result()
+
+    def info(self) -> ServerInfo:
+        try:
+            return info_from_pb(self._stub.GetInfo(pb.GenerationInfoRequest(), timeout=self.timeout))
+        except grpc.RpcError as e:
+            raise TreespecError.from_rpc(e) from None
+
+    def wait_ready(self, timeout: float = 30.0, service: str = "") -> None:
+        """Polls gRPC health until `service` ("" = the whole server) is SERVING.
+
+        Raises TimeoutError when it is not by then, TreespecError on an answer that
+        waiting will not change (no health service, say).
+        """
+        deadline = time.monotonic() + timeout
+        why = "no answer"
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                r = self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                       timeout=min(left, 2.0), wait_for_ready=True)
+                why = _not_serving(r, None)
+            except grpc.RpcError as e:
+                why = _not_serving(None, e)
+            if why is None:
+                return
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        raise TimeoutError(f"{self.addr} not ready after {timeout:g}s ({why})")
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "TreespecClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncTreespecClient:
+    """asyncio client over one grpc.aio channel; `async with` or `await close()`."""
+
+    def __init__(self, addr: str, timeout: float | None = None) -> None:
+        self.addr = addr
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def generate_stream(self, prompt: str | None = None, **kw: Unpack[GenerateArgs]) -> AsyncIterator[Chunk]:
+        call = self._stub.Generate(build_request(prompt, **kw),
+                                   timeout=kw.get("timeout", self.timeout))
+        try:
+            async for m in call:
+                yield chunk_from_pb(m)
+        except grpc.RpcError as e:
+            raise TreespecError.from_rpc(e) from None
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: str | None = None, **kw: Unpack[GenerateArgs]) -> Completion:
+        out = Collector()
+        async for c in self.generate_stream(prompt, **kw):
+            out.add(c)
+        return out.result()
+
+    async def info(self) -> ServerInfo:
+        try:
+            return info_from_pb(await self._stub.GetInfo(pb.GenerationInfoRequest(),
+                                                         timeout=self.timeout))
+        except grpc.RpcError as e:
+            raise TreespecError.from_rpc(e) from None
+
+    async def wait_ready(self, timeout: float = 30.0, service: str = "") -> None:
+        """As TreespecClient.wait_ready."""
+        deadline = time.monotonic() + timeout
+        why = "no answer"
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                r = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                             timeout=min(left, 2.0), wait_for_ready=True)
+                why = _not_serving(r, None)
+            except grpc.RpcError as e:
+                why = _not_serving(None, e)
+            if why is None:
+                return
+            await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        raise TimeoutError(f"{self.addr} not ready after {timeout:g}s ({why})")
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncTreespecClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

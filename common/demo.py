@@ -1,0 +1,164 @@
+"""`treespec demo`: both services on loopback, one prompt, speculative beside plain decode.
+
+Starts `treespec draft` and `treespec verify` as child processes on free ports, streams
+a completion, runs the same prompt again with speculation off, and prints both
+timings and the acceptance figures. The children are stopped (SIGTERM, then SIGKILL)
+however the demo ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+from common.client import Completion, ServerInfo, TreespecClient, Collector
+from common.demo_checkpoints import DemoModels, demo_models
+from common.launch import ServiceProcess, start_service
+from common.model_paths import resolve_model
+
+# Repeated spans, so an n-gram proposer has something to find even with random weights.
+PROMPT = ("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\n" * 2
+          + "def fib(n):\n")
+FALLBACK_IDS = [3, 14, 15, 92, 65, 35, 89, 79] * 3
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+class _Text:
+    """The prompt as the server takes it, and a way to show ids as text without a server tokenizer."""
+
+    def __init__(self, info: ServerInfo, model: str) -> None:
+        self.server_text = info.has_tokenizer
+        self.local = None
+        path = resolve_model(model) / "tokenizer.json"
+        if not self.server_text and path.exists():
+            from tokenizers import Tokenizer
+            self.local = Tokenizer.from_file(str(path))
+
+    def request(self) -> dict:
+        if self.server_text:
+            return {"prompt": PROMPT}
+        if self.local is not None:
+            return {"prompt_ids": self.local.encode(PROMPT, add_special_tokens=False).ids}
+        return {"prompt_ids": FALLBACK_IDS}
+
+    def show(self, ids: list[int]) -> str:
+        if self.local is not None:
+            return self.local.decode(ids)
+        return " ".join(map(str, ids))
+
+
+def _wait_draft(client: TreespecClient, timeout: float) -> ServerInfo:
+    deadline = time.monotonic() + timeout
+    info = client.info()
+    while not info.draft_connected and time.monotonic() < deadline:
+        time.sleep(0.2)
+        info = client.info()
+    return info
+
+
+def _stream(client: TreespecClient, text: _Text, req: dict) -> tuple[Completion, float]:
+    out = Collector()
+    shown = ""
+    start = time.perf_counter()
+    for chunk in client.generate_stream(**req):
+        out.add(chunk)
+        if text.server_text:
+            sys.stdout.write(chunk.text)
+        else:
+            now = text.show(out.ids)
+            sys.stdout.write(now[len(shown):] if now.startswith(shown) else f"\n{now}")
+            shown = now
+        sys.stdout.flush()
+    elapsed = time.perf_counter() - start
+    print()
+    return out.result(), elapsed
+
+
+def _timed(client: TreespecClient, req: dict) -> tuple[Completion, float]:
+    start = time.perf_counter()
+    done = client.generate(**req)
+    return done, time.perf_counter() - start
+
+
+def _report(spec: Completion, spec_s: float, plain: Completion, plain_s: float) -> None:
+    rows = []
+    for label, c, secs in (("plain decode", plain, plain_s), ("speculative", spec, spec_s)):
+        s = c.stats
+        n, steps = s["completion_tokens"], s["steps"]
+        rows.append((label, f"{secs:.3f}", str(n), str(steps), str(s["draft_tokens"]),
+                     str(s["accepted_tokens"]), f"{n / steps:.2f}" if steps else "-",
+                     f"{n / secs:.1f}" if secs else "-"))
+    head = ("", "seconds", "tokens", "steps", "draft tok", "accepted", "tok/step", "tok/s")
+    widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
+    for r in (head, *rows):
+        print("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))))
+    s = spec.stats
+    if s["draft_tokens"]:
+        print(f"acceptance: {s['accepted_tokens']}/{s['draft_tokens']} draft tokens "
+              f"({100 * s['accepted_tokens'] / s['draft_tokens']:.0f}%), "
+              f"{s['fallback_steps']} of {s['steps']} steps fell back to plain decode")
+    same = spec.token_ids == plain.token_ids
+    print(f"identical output with and without speculation: {'yes' if same else 'NO'}")
+
+
+def _describe(models: DemoModels, method: str) -> None:
+    if models.random:
+        print(f"Using RANDOM weights (tiny Qwen3 pair in {Path(models.target).parent}): the text "
+              "is gibberish; the demo shows the machinery, not model quality.")
+    else:
+        print(f"Using the shipped checkpoints {models.target} (target) and {models.draft} (draft).")
+    print(f"Proposer: {method}.")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    models = demo_models(Path(args.cache_dir).expanduser() if args.cache_dir else None)
+    method = args.method or ("ngram" if models.random else "model")
+    _describe(models, method)
+    services: list[ServiceProcess] = []
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        draft_args = ["draft", "--method", method, "--envelope", args.envelope,
+                      "--port", "0", "--device", args.device]
+        if method == "model":
+            draft_args += ["--model", models.draft]
+        services.append(start_service("draft", draft_args, args.startup_timeout))
+        draft_addr = services[0].addr
+        print(f"draft service listening on {draft_addr}")
+        services.append(start_service("verify", [
+            "verify", "--model", models.target, "--draft", draft_addr, "--port", "0",
+            "--device", args.device], args.startup_timeout))
+        verify_addr = services[1].addr
+        print(f"verify service listening on {verify_addr}")
+        with TreespecClient(verify_addr) as client:
+            client.wait_ready(args.startup_timeout)
+            info = _wait_draft(client, 30.0)
+            if not info.draft_connected:
+                print("warning: the verify service has not connected to the draft; "
+                      "steps will run as plain decode")
+            text = _Text(info, models.target)
+            req = dict(text.request(), max_tokens=args.max_tokens, ignore_eos=models.random)
+            client.generate(**dict(req, max_tokens=min(4, args.max_tokens)))  # warm-up
+            print(f"\n--- prompt ---\n{PROMPT}--- speculative completion ---")
+            spec, spec_s = _stream(client, text, req)
+            plain, plain_s = _timed(client, dict(req, no_speculation=True))
+        print()
+        _report(spec, spec_s, plain, plain_s)
+        print("(timings from this machine, one run each after a short warm-up)")
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        print(f"treespec demo: error: {e}", file=sys.stderr)
+        for svc in services:
+            if not svc.running:
+                print(f"--- {svc.name} exited ({svc.proc.returncode}); its output ends with:\n"
+                      f"{svc.output(40)}", file=sys.stderr)
+        return 1
+    finally:
+        for svc in reversed(services):
+            svc.stop()
+        signal.signal(signal.SIGTERM, previous)
