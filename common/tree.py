@@ -110,3 +110,20 @@ def validate_tree(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: int,
     if bool((valid & ((tokens < 0) | (tokens >= vocab_size))).any()):
         return f"a draft token is outside the vocabulary [0, {vocab_size})"
     return None
+
+
+def verify_chunk_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward chunk [root, node 0 .. N-1] of a batch of trees.
+
+    parents [B, N] -> (chunk_parents [B, N + 1], depths [B, N + 1]) where chunk
+    index 0 is the root (parent -1, depth 0) and node i sits at chunk index i + 1
+    (parent p + 1, or 0 under the root; padding stays -2). depths are position
+    offsets from the root. See kernels/reference.py for the chunk layout.
+    """
+    b = parents.shape[0]
+    p = parents.long()
+    nodes = torch.where(p >= 0, p + 1, torch.where(p == ROOT, 0, PAD))
+    root = torch.full((b, 1), ROOT, dtype=torch.long, device=parents.device)
+    zero = torch.zeros((b, 1), dtype=torch.int32, device=parents.device)
+    return (torch.cat([root, nodes], 1).to(torch.int32),
+            torch.cat([zero, node_depths(parents)], 1))

@@ -1,0 +1,134 @@
+"""The verify service's end of the Speculate stream: one bidi stream to the draft.
+
+The link hands the engine a proposal for a step or None, never an exception: a
+draft that is absent, late, busy or broken only turns that step into plain decode
+(the reason is returned for the step's stats). It reconnects in the background,
+and each new connection bumps ``epoch`` so the engine resyncs every sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Literal
+
+import grpc
+
+from common import codec, wire
+from common.spec_types import DrafterInfo, SpecRequest, TreeBatch
+from protos.treespec.v1 import treespec_pb2 as pb
+from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+
+log = logging.getLogger("treespec.verify.draft_link")
+
+Fallback = Literal["no_draft", "disconnected", "busy", "deadline", "invalid_proposal"]
+
+
+class DraftLink:
+    def __init__(self, addr: str, reconnect_s: float, vocab_size: int) -> None:
+        self.addr = addr
+        self.reconnect_s = reconnect_s
+        self.vocab_size = vocab_size
+        self.info: DrafterInfo | None = None
+        self.epoch = 0
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._responses: asyncio.Queue[pb.Proposal | None] = asyncio.Queue()
+        self._outstanding: int | None = None   # step id still unanswered
+        self._task: asyncio.Task | None = None
+        self._staging = codec.Staging()
+        self._closed = False
+
+    @property
+    def ready(self) -> bool:
+        return self._call is not None and self.info is not None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._connect_loop())
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        await self._drop()
+
+    async def _drop(self) -> None:
+        call, channel = self._call, self._channel
+        self._call = self._channel = None
+        self._outstanding = None
+        if call is not None:
+            call.cancel()
+        if channel is not None:
+            await channel.close()
+
+    async def _connect_loop(self) -> None:
+        while not self._closed:
+            try:
+                await self._connect_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the draft is a cache; any failure means retry later
+                log.warning("draft %s unavailable: %s", self.addr, e)
+            await self._drop()
+            await asyncio.sleep(self.reconnect_s)
+
+    async def _connect_once(self) -> None:
+        self._channel = grpc.aio.insecure_channel(self.addr, options=[
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.max_receive_message_length", 64 << 20)])
+        stub = pb_grpc.DrafterStub(self._channel)
+        info = wire.drafter_info_from_pb(await stub.GetInfo(pb.DrafterInfoRequest(), timeout=10))
+        if info.vocab_size > self.vocab_size:
+            raise RuntimeError(f"draft vocabulary {info.vocab_size} exceeds the target's "
+                               f"{self.vocab_size}; not using this draft")
+        self.info = info
+        self._call = stub.Speculate()
+        self._responses = asyncio.Queue()
+        self.epoch += 1
+        log.info("draft %s connected: %s, envelope %s", self.addr, info.proposer, info.envelope)
+        async for msg in self._call:
+            self._responses.put_nowait(msg)
+        raise RuntimeError("draft closed the Speculate stream")
+
+    async def propose(self, req: SpecRequest, timeout_s: float) -> TreeBatch | Fallback:
+        """Send one step's request and wait up to timeout_s for its proposal."""
+        if not self.ready:
+            return "disconnected"
+        if self._outstanding is not None and not self._drain_stale():
+            return "busy"
+        try:
+            await self._call.write(wire.spec_request_to_pb(req, self._staging))
+        except Exception as e:
+            log.warning("draft write failed: %s", e)
+            return "disconnected"
+        self._outstanding = req.step_id
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while True:
+            left = end - loop.time()
+            if left <= 0:
+                return "deadline"
+            try:
+                msg = await asyncio.wait_for(self._responses.get(), left)
+            except asyncio.TimeoutError:
+                return "deadline"
+            if msg.step_id == req.step_id:
+                self._outstanding = None
+                try:
+                    return wire.tree_batch_from_pb(msg)
+                except codec.CodecError as e:
+                    log.warning("draft sent an undecodable proposal: %s", e)
+                    return "invalid_proposal"
+            # a stale proposal of an earlier step: dropped, never applied
+
+    def _drain_stale(self) -> bool:
+        """Drop answers that arrived late; True once the outstanding step is answered."""
+        while not self._responses.empty():
+            msg = self._responses.get_nowait()
+            if msg.step_id == self._outstanding:
+                self._outstanding = None
+        return self._outstanding is None

@@ -1,0 +1,270 @@
+"""The verify engine: continuous batching of greedy speculative decoding.
+
+Each loop iteration (1) admits waiting requests and prefills them in one forward,
+(2) asks the draft for one tree per running sequence (one message for the batch),
+and (3) runs ONE target forward over [root, nodes] of every running sequence,
+accepting, committing and streaming 1..depth+1 tokens each. A missing, late or
+broken proposal turns the step into plain decode: output never changes.
+
+Compute runs in a single worker thread; all state is touched only on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from common.errors import InvalidRequest, Unavailable
+from common.qwen3 import Qwen3Model
+from common.spec_types import SeqUpdate, SpecRequest, TreeBatch
+from common.tree import validate_tree
+from kernels.dispatch import select
+from verify_service.draft_link import DraftLink, Fallback
+from verify_service.request import GenRequest
+from verify_service.sequence import Sequence
+from verify_service.verifier import Verifier
+
+log = logging.getLogger("treespec.verify.engine")
+
+
+class VerifyEngine:
+    def __init__(self, model: Qwen3Model, num_blocks: int, block_size: int, max_batch: int,
+                 max_model_len: int, prefill_tokens: int, step_deadline_s: float,
+                 link: DraftLink | None = None, kernels: str = "auto") -> None:
+        self.model = model
+        self.spec = model.spec
+        self.cache = model.new_cache(num_blocks, block_size)
+        self.verifier = Verifier(model, self.cache, select(model.device, kernels))
+        self.max_batch = max_batch
+        self.max_model_len = max_model_len or model.spec.max_position
+        self.prefill_tokens = prefill_tokens
+        self.step_deadline_s = step_deadline_s
+        self.link = link
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.released: list[int] = []
+        self.fallbacks: Counter[str] = Counter()
+        self._step_id = 0
+        self._epoch = 0
+        self._wake = asyncio.Event()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="treespec-verify")
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ client side
+
+    def submit(self, req: GenRequest) -> Sequence:
+        """Queue a request; its StepOutputs arrive on the returned sequence's queue."""
+        if self._stopping:
+            raise Unavailable("the verify service is shutting down")
+        self._check(req)
+        stop = set(req.stop_token_ids)
+        if not req.ignore_eos:
+            stop |= set(self.spec.eos_token_ids)
+        seq = Sequence(req, frozenset(stop), self.max_model_len)
+        self.waiting.append(seq)
+        self._wake.set()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop a request; its pages return at the next iteration boundary."""
+        if seq.finish is None:
+            seq.cancelled = True
+            self._wake.set()
+
+    def _check(self, req: GenRequest) -> None:
+        if not req.prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        if req.max_tokens <= 0:
+            raise InvalidRequest(f"max_tokens must be > 0, got {req.max_tokens}")
+        bad = [t for t in req.prompt_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {self.spec.vocab_size})")
+        if len(req.prompt_ids) >= self.max_model_len:
+            raise InvalidRequest(f"prompt of {len(req.prompt_ids)} tokens leaves no room in "
+                                 f"max_model_len {self.max_model_len}")
+        if self._pages_for(req) > self.cache.blocks.num_blocks:
+            raise InvalidRequest("prompt + max_tokens need more KV pages than the service has")
+
+    def _pages_for(self, req: GenRequest) -> int:
+        n = self.link.info.envelope.num_nodes if self.link and self.link.info else 64
+        total = min(len(req.prompt_ids) + req.max_tokens, self.max_model_len) + n + 1
+        return self.cache.blocks.blocks_for(total)
+
+    # ------------------------------------------------------------------ the loop
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests, let running ones finish for up to timeout_s, then stop."""
+        self._stopping = True
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while (self.waiting or self.running) and loop.time() < end:
+            await asyncio.sleep(0.05)
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Finish nothing new; cancel what runs; return every page."""
+        self._stopping = True
+        for seq in list(self.waiting) + self.running:
+            self.cancel(seq)
+        self._wake.set()
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._reap(force=True)
+        self._pool.shutdown(wait=True)
+
+    async def _loop(self) -> None:
+        while True:
+            self._reap()
+            if not self.waiting and not self.running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self._admit()
+                if self.running:
+                    await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("engine iteration failed; failing its requests")
+                for seq in self.running:
+                    seq.cancelled = True
+            await asyncio.sleep(0)
+
+    async def _compute(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _reap(self, force: bool = False) -> None:
+        """Free finished and cancelled sequences and tell their owners."""
+        keep: list[Sequence] = []
+        for seq in self.running:
+            if seq.finish is None and not seq.cancelled and not force:
+                keep.append(seq)
+                continue
+            if seq.finish is None:
+                seq.finish = "cancelled"
+                seq.emit([])
+            self.cache.release(seq.pages)
+            if seq.draft_synced:
+                self.released.append(seq.seq_id)
+        self.running = keep
+        for seq in [s for s in self.waiting if s.cancelled or force]:
+            self.waiting.remove(seq)
+            seq.finish = "cancelled"
+            seq.emit([])
+
+    async def _admit(self) -> None:
+        batch: list[Sequence] = []
+        budget = self.prefill_tokens
+        while self.waiting and len(self.running) + len(batch) < self.max_batch:
+            seq = self.waiting[0]
+            need = self._pages_for(seq.req)
+            if batch and len(seq.tokens) > budget:
+                break
+            if need > self.cache.blocks.num_free:
+                break
+            self.waiting.popleft()
+            self.cache.reserve(seq.pages, need * self.cache.block_size)
+            budget -= len(seq.tokens)
+            batch.append(seq)
+        if not batch:
+            return
+        firsts = await self._compute(self.verifier.prefill, [s.pages for s in batch],
+                                     [list(s.tokens) for s in batch])
+        for seq, tok in zip(batch, firsts):
+            kept = seq.commit([tok])
+            seq.unsent = []          # the draft will hear the whole list at first sync
+            self.running.append(seq)
+            seq.emit(kept)
+
+    async def _propose(self, seqs: list[Sequence]) -> tuple[TreeBatch | None, Fallback | None]:
+        if self.link is None:
+            return None, "no_draft"
+        if not self.link.ready:
+            return None, "disconnected"
+        if self.link.epoch != self._epoch:
+            self._epoch = self.link.epoch
+            self.released = []
+            for s in self.running:
+                s.draft_synced = False
+        self._step_id += 1
+        updates = [SeqUpdate(seq_id=s.seq_id, committed_len=len(s.tokens),
+                             new_tokens=list(s.unsent) if s.draft_synced else list(s.tokens),
+                             full=not s.draft_synced, accepted_nodes=s.accepted_nodes,
+                             accepted_step_id=s.accepted_step) for s in seqs]
+        req = SpecRequest(self._step_id, updates, self.released)
+        got = await self.link.propose(req, self.step_deadline_s)
+        if isinstance(got, str):
+            if got != "busy":
+                self._mark_sent(seqs)    # it may have been applied: only deltas from here
+            return None, got
+        self._mark_sent(seqs)
+        env = self.link.info.envelope
+        why = validate_tree(got.tokens, got.parents, env.num_nodes, self.spec.vocab_size) \
+            if len(got.seq_ids) == len(seqs) else "wrong number of rows"
+        if why is None and got.seq_ids != [s.seq_id for s in seqs]:
+            why = "rows are not in the request's order"
+        if why is not None:
+            log.warning("dropping an invalid proposal: %s", why)
+            return None, "invalid_proposal"
+        for s in seqs:
+            if s.seq_id in got.resync:
+                s.draft_synced = False
+        return got, None
+
+    def _mark_sent(self, seqs: list[Sequence]) -> None:
+        self.released = []
+        for s in seqs:
+            s.draft_synced = True
+            s.unsent = []
+            s.accepted_nodes = []
+            s.accepted_step = self._step_id
+
+    async def _step(self) -> None:
+        seqs = list(self.running)
+        spec_seqs = [s for s in seqs if s.speculative]
+        tree: TreeBatch | None = None
+        reason: Fallback | None = None
+        if spec_seqs:
+            tree, reason = await self._propose(spec_seqs)
+        tokens = parents = None
+        depth = 0
+        if tree is not None:
+            n = tree.tokens.shape[1]
+            tokens = torch.zeros((len(seqs), n), dtype=torch.int32)
+            parents = torch.full((len(seqs), n), -2, dtype=torch.int32)
+            row = {s.seq_id: i for i, s in enumerate(spec_seqs)}
+            for i, s in enumerate(seqs):
+                if s.seq_id in row:
+                    tokens[i], parents[i] = tree.tokens[row[s.seq_id]], tree.parents[row[s.seq_id]]
+            depth = self.link.info.envelope.depth
+        res = await self._compute(self.verifier.step, [s.pages for s in seqs],
+                                  [s.tokens[-1] for s in seqs], tokens, parents, depth)
+        for i, s in enumerate(seqs):
+            if s.cancelled:
+                continue
+            path = res.accepted[i]
+            offered = int((parents[i] != -2).sum()) if parents is not None else 0
+            new = [int(tokens[i, j]) for j in path] + [res.bonus[i]]
+            kept = s.commit(new)
+            s.stats.steps += 1
+            s.stats.draft_tokens += offered
+            s.stats.accepted_tokens += min(len(path), len(kept))
+            if s.speculative and offered == 0:
+                s.stats.fallback_steps += 1
+                self.fallbacks[reason or "empty_tree"] += 1
+            s.accepted_nodes = path
+            s.emit(kept)

@@ -1,0 +1,37 @@
+"""What a client asks for and what the engine streams back, free of protobuf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["length", "stop", "cancelled"]
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    no_speculation: bool = False
+    request_id: str = ""
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    steps: int = 0             # target forwards after prefill that produced tokens
+    draft_tokens: int = 0      # valid draft nodes offered to the target
+    accepted_tokens: int = 0   # accepted draft tokens, bonus tokens excluded
+    fallback_steps: int = 0    # steps with no usable proposal while speculating
+
+
+@dataclass
+class StepOutput:
+    """Tokens one engine iteration committed for one request."""
+
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stats: Stats = field(default_factory=Stats)

@@ -1,0 +1,64 @@
+"""One running request inside the verify engine: tokens, KV pages, draft sync state."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+
+from common.kv_cache import SeqPages
+from verify_service.request import FinishReason, GenRequest, Stats, StepOutput
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Sequence:
+    req: GenRequest
+    stop_ids: frozenset[int]                  # request stop ids + EOS unless ignored
+    max_len: int                              # prompt + completion cap
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    tokens: list[int] = field(default_factory=list)   # committed, prompt included
+    pages: SeqPages = field(default_factory=SeqPages)
+    stats: Stats = field(default_factory=Stats)
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finish: FinishReason | None = None
+    cancelled: bool = False
+    # What the draft has heard of this sequence (it is a cache; we are the authority).
+    draft_synced: bool = False
+    unsent: list[int] = field(default_factory=list)   # committed since the last update
+    accepted_nodes: list[int] = field(default_factory=list)
+    accepted_step: int = 0
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.req.prompt_ids)
+        self.stats.prompt_tokens = len(self.tokens)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.stats.prompt_tokens
+
+    @property
+    def speculative(self) -> bool:
+        return not self.req.no_speculation
+
+    def commit(self, new: list[int]) -> list[int]:
+        """Append tokens up to the first stop condition; returns those kept."""
+        kept: list[int] = []
+        for t in new:
+            if self.finish is not None:
+                break
+            kept.append(t)
+            if t in self.stop_ids:
+                self.finish = "stop"
+            elif self.num_generated + len(kept) >= self.req.max_tokens or \
+                    len(self.tokens) + len(kept) >= self.max_len:
+                self.finish = "length"
+        self.tokens.extend(kept)
+        self.unsent.extend(kept)
+        self.stats.completion_tokens += len(kept)
+        return kept
+
+    def emit(self, kept: list[int]) -> None:
+        stats = Stats(**vars(self.stats)) if self.finish else self.stats
+        self.out.put_nowait(StepOutput(kept, self.finish, stats))

@@ -1,0 +1,79 @@
+"""Generation servicer: protobuf <-> verify engine, nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from common import wire
+from common.errors import InvalidRequest
+from common.tokenizer import Detokenizer
+from protos.treespec.v1 import treespec_pb2 as pb
+from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from verify_service.engine import VerifyEngine
+from verify_service.request import GenRequest, Stats
+
+FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP,
+          "cancelled": pb.FINISH_REASON_CANCELLED}
+
+
+def request_from_pb(m: pb.GenerateRequest, tokenizer: Any | None) -> GenRequest:
+    if m.HasField("sampling") and m.sampling.temperature != 0:
+        raise InvalidRequest("sampling is not supported yet (temperature must be 0)")
+    if m.prompt and m.prompt_ids:
+        raise InvalidRequest("give prompt or prompt_ids, not both")
+    if m.prompt:
+        if tokenizer is None:
+            raise InvalidRequest("this checkpoint has no tokenizer: send prompt_ids")
+        ids = tuple(tokenizer.encode(m.prompt))
+    else:
+        ids = tuple(m.prompt_ids)
+    return GenRequest(prompt_ids=ids, max_tokens=m.max_tokens,
+                      stop_token_ids=frozenset(m.stop_token_ids), ignore_eos=m.ignore_eos,
+                      no_speculation=m.no_speculation, request_id=m.request_id)
+
+
+def stats_to_pb(s: Stats) -> pb.RequestStats:
+    return pb.RequestStats(**vars(s))
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, engine: VerifyEngine, tokenizer: Any | None, model_name: str) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        seq = self.engine.submit(request_from_pb(request, self.tokenizer))
+        detok = Detokenizer(self.tokenizer)
+        try:
+            while True:
+                out = await seq.out.get()
+                done = out.finish_reason is not None
+                msg = pb.GenerateResponse(token_ids=out.token_ids,
+                                          text=detok.push(out.token_ids, final=done))
+                if done:
+                    msg.finish_reason = FINISH[out.finish_reason]
+                    msg.stats.CopyFrom(stats_to_pb(out.stats))
+                yield msg
+                if done:
+                    return
+        finally:
+            self.engine.cancel(seq)
+
+    async def GetInfo(self, request: pb.GenerationInfoRequest, context: grpc.aio.ServicerContext
+                      ) -> pb.GenerationInfo:
+        e = self.engine
+        info = pb.GenerationInfo(model=self.model_name, vocab_size=e.spec.vocab_size,
+                                 eos_token_ids=list(e.spec.eos_token_ids),
+                                 max_model_len=e.max_model_len,
+                                 has_tokenizer=self.tokenizer is not None)
+        link = e.link
+        if link is not None and link.info is not None:
+            info.envelope.CopyFrom(wire.envelope_to_pb(link.info.envelope))
+            info.proposer = link.info.proposer
+            info.draft_connected = link.ready
+        return info
