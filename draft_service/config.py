@@ -38,3 +38,5 @@ class DraftConfig:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
+        if self.max_sequences < 1:
+            raise ValueError("max_sequences must be >= 1")
