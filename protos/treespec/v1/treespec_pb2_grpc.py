@@ -5,7 +5,7 @@ import warnings
 
 from protos.treespec.v1 import treespec_pb2 as protos_dot_treespec_dot_v1_dot_treespec__pb2
 
-GRPC_GENERATED_VERSION = '1.84.2'
+GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
