@@ -1,0 +1,188 @@
+"""The ``model`` method: a small Qwen3 drafts trees over its own paged KV.
+
+Per sequence the proposer keeps a SeqPages whose ``kv_len`` slots hold draft KV
+of committed tokens, and the tree it emitted last. One step, batched over all
+sequences with one forward each:
+
+1. *catch up*: a chain chunk over the committed tokens without draft KV (at
+   least the root, the last committed token). Afterwards kv_len == committed
+   length; the root's logits give level 1.
+2. *expand*: ``depth - 1`` tree chunks of the frontier nodes so far, written as
+   scratch after kv_len (see tree_build.Expansion for which nodes).
+3. *rerank* to ``num_nodes`` and emit.
+
+Rollback on the next update: of the accepted path (node indices into the last
+tree), the prefix whose nodes were in the last expansion chunk has valid KV in
+scratch slots ``kv_len + chunk_pos``; it is moved to ``kv_len + i`` (one
+compact_kv for the batch, before the next catch-up) and kv_len advances by its
+length. Example, depth 3, topk 1, committed ``... r``, tree ``a b c``, chunk
+``[a, b]`` at slots L, L+1: the target accepts ``a b c`` and adds bonus x, so
+``a b`` already sit at L, L+1 (no move), kv_len = L + 2 and the catch-up chunk
+is ``[c, x]``. Anything that does not check out (path not in the tree, tokens
+not the committed ones) is simply recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import torch
+
+from common.block_manager import OutOfPages
+from common.devices import pick_device, pick_dtype
+from common.forward_batch import Chunk, build_forward_batch, chain_chunk
+from common.kv_cache import PagedKVCache, SeqPages
+from common.model_paths import resolve_model
+from common.qwen3 import Qwen3Model
+from common.tree import ROOT, TreeEnvelope
+from draft_service.config import DraftConfig
+from draft_service.proposer import padding_trees
+from draft_service.tree_build import Expansion
+from kernels.dispatch import select
+
+
+@dataclass
+class _Seq:
+    pages: SeqPages = field(default_factory=SeqPages)
+    tokens: list[int] = field(default_factory=list)   # the engine's committed list
+    tree_base: int = -1                               # committed length the last tree hung off
+    tree_tokens: list[int] = field(default_factory=list)
+    tree_parents: list[int] = field(default_factory=list)
+    tree_chunk: list[int] = field(default_factory=list)  # chunk position per node, -1 none
+    moves: list[tuple[int, int]] = field(default_factory=list)  # pending (src, dst) slots
+
+
+class ModelProposer:
+    def __init__(self, model: Qwen3Model, env: TreeEnvelope, ops: ModuleType,
+                 num_blocks: int, block_size: int, name: str = "") -> None:
+        if env.topk > model.spec.vocab_size:
+            raise ValueError(f"topk {env.topk} exceeds the draft vocabulary")
+        self.net, self.env, self.ops = model, env, ops
+        self.cache: PagedKVCache = model.new_cache(num_blocks, block_size)
+        self.vocab_size = model.spec.vocab_size
+        self.target_hidden_layers: tuple[int, ...] = ()
+        self.model = name
+        self._seqs: OrderedDict[int, _Seq] = OrderedDict()
+
+    @classmethod
+    def from_config(cls, cfg: DraftConfig) -> "ModelProposer":
+        device = pick_device(cfg.device)
+        model = Qwen3Model.from_pretrained(resolve_model(cfg.model), pick_dtype(cfg.dtype, device),
+                                           device)
+        return cls(model, cfg.envelope, select(device, cfg.kernels), cfg.num_blocks,
+                   cfg.block_size, name=cfg.model)
+
+    # ------------------------------------------------------------ state
+    def update(self, seq_id: int, tokens: list[int], new_count: int,
+               accepted_nodes: list[int], hidden: torch.Tensor | None) -> None:
+        st = self._seqs.setdefault(seq_id, _Seq())
+        self._seqs.move_to_end(seq_id)
+        old = len(tokens) - new_count
+        st.pages.kv_len = min(st.pages.kv_len, old)
+        keep = self._kept_prefix(st, tokens, old, accepted_nodes) if st.tree_base == old else []
+        st.moves += [(old + c, old + i) for i, c in enumerate(keep) if c != i]
+        st.pages.kv_len += len(keep)
+        st.tokens, st.tree_base = tokens, -1
+
+    @staticmethod
+    def _kept_prefix(st: _Seq, tokens: list[int], old: int, path: list[int]) -> list[int]:
+        """Chunk positions of the accepted path's leading nodes whose scratch KV
+        is valid: in the last tree, root-to-leaf, equal to the committed tokens
+        and forwarded in the last expansion chunk."""
+        keep: list[int] = []
+        prev = ROOT
+        for i, n in enumerate(path):
+            ok = (0 <= n < len(st.tree_tokens) and st.tree_parents[n] == prev
+                  and old + i < len(tokens) and st.tree_tokens[n] == tokens[old + i]
+                  and st.tree_chunk[n] >= 0)
+            if not ok:
+                break
+            keep.append(st.tree_chunk[n])
+            prev = n
+        return keep
+
+    def release(self, seq_id: int) -> None:
+        st = self._seqs.pop(seq_id, None)
+        if st is not None:
+            self.cache.release(st.pages)
+
+    def _drop_kv(self, st: _Seq) -> None:
+        """Forget a sequence's draft KV (it is recomputed when next proposed)."""
+        self.cache.release(st.pages)
+        st.moves, st.tree_base = [], -1
+
+    # ------------------------------------------------------------ propose
+    def propose(self, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, parents = padding_trees(len(seq_ids), self.env.num_nodes)
+        self._apply_moves()
+        rows = self._reserve(seq_ids)
+        if not rows:
+            return tokens, parents
+        seqs = [self._seqs[seq_ids[r]] for r in rows]
+        t, p, chunk_pos = self._draft(seqs)
+        for st, tt, pp, cc in zip(seqs, t.tolist(), p.tolist(), chunk_pos.tolist()):
+            st.tree_base = len(st.tokens)
+            st.tree_tokens, st.tree_parents, st.tree_chunk = tt, pp, cc
+        tokens[rows], parents[rows] = t.cpu(), p.cpu()
+        return tokens, parents
+
+    def _apply_moves(self) -> None:
+        src: list[int] = []
+        dst: list[int] = []
+        for st in self._seqs.values():
+            for s, d in st.moves:
+                src.append(self.cache.slot(st.pages, s))
+                dst.append(self.cache.slot(st.pages, d))
+            st.moves = []
+        if src:
+            dev = self.cache.device
+            self.ops.compact_kv(self.cache.k, self.cache.v,
+                                torch.tensor(src, dtype=torch.int64, device=dev),
+                                torch.tensor(dst, dtype=torch.int64, device=dev))
+
+    def _reserve(self, seq_ids: list[int]) -> list[int]:
+        """Rows whose sequence has pages for catch-up plus scratch. When pages run
+        out, idle sequences' KV is dropped, least recently used first; a row
+        that still does not fit is left as padding."""
+        scratch = (self.env.depth - 1) * self.env.topk
+        batch = set(seq_ids)
+        rows = []
+        for r, s in enumerate(seq_ids):
+            st = self._seqs[s]
+            while True:
+                try:
+                    self.cache.reserve(st.pages, len(st.tokens) + scratch)
+                    rows.append(r)
+                    break
+                except OutOfPages:
+                    idle = next((v for k, v in self._seqs.items()
+                                 if k not in batch and v.pages.pages), None)
+                    self._drop_kv(idle if idle is not None else st)
+                    if idle is None:
+                        break
+        return rows
+
+    @torch.inference_mode()
+    def _draft(self, seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Catch up, expand and rerank: tokens, parents [B, N] int32, chunk_pos [B, N]."""
+        env = self.env
+        chunks = []
+        for st in seqs:
+            st.pages.kv_len = min(st.pages.kv_len, len(st.tokens) - 1)
+            chunks.append(chain_chunk(st.pages, st.tokens[st.pages.kv_len:]))
+        fb = build_forward_batch(chunks, self.cache)
+        hidden, _ = self.net(fb, self.cache, self.ops)                 # [T, H]
+        logp = self.net.logits(hidden[fb.last]).log_softmax(-1)       # [B, V]
+        for st in seqs:
+            st.pages.kv_len = len(st.tokens)
+        exp = Expansion(logp, env.topk, env.depth)
+        for level in range(1, env.depth):
+            tok, par, depths = exp.chunk(level)                       # [B, level*K]
+            fb = build_forward_batch([Chunk(st.pages, t, p, depths) for st, t, p
+                                      in zip(seqs, tok.tolist(), par.tolist())], self.cache)
+            hidden, _ = self.net(fb, self.cache, self.ops)             # [B*level*K, H]
+            newest = hidden.view(len(seqs), level * env.topk, -1)[:, (level - 1) * env.topk:]
+            exp.grow(level, self.net.logits(newest).log_softmax(-1))  # [B, K, V]
+        return exp.rerank(env.num_nodes)

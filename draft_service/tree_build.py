@@ -1,0 +1,108 @@
+"""EAGLE-2 style tree expansion and reranking over a batch, as tensor bookkeeping.
+
+The draft model runs outside this module; this one decides which nodes to
+forward and which to emit. Every candidate gets an id in a fixed space of
+``M = topk + (depth - 1) * topk^2`` (level 1 first, then topk^2 per level), so
+shapes never depend on the data:
+
+* level 1: the ``topk`` best tokens after the root (ids 0 .. K-1);
+* level d + 1: each of the K *frontier* nodes of level d gets its K best
+  children, cumulative log-prob = parent's + child's; the best K of those K*K
+  become the next frontier. Frontier nodes of levels 1 .. depth-1 are what the
+  draft forwards: one tree chunk holding all of them, frontier of level l at
+  chunk positions ``(l-1)*K .. l*K - 1``;
+* rerank: the best ``num_nodes`` candidates by cumulative log-prob. A child
+  never outscores its parent (log-probs are <= 0) and ties go to the lower id,
+  which is the shallower node, so the kept set is ancestor-closed and its
+  best-first order is topological.
+
+Example, topk 2, depth 2 (M = 6), num_nodes 3, root log-probs a: -0.1, b: -1.0::
+
+    level 1:  a(0) -0.1   b(1) -1.0              frontier = [a, b], chunk = [a, b]
+    level 2:  a→c(2) -0.3  a→d(3) -2.1  b→e(4) -1.2  b→f(5) -3.0
+    rerank:   a -0.1, c -0.3, b -1.0  -> tokens [a, c, b], parents [-1, 0, -1]
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Expansion:
+    """All candidates of one expansion, for a batch of B sequences.
+
+    tokens [B, M] int64, scores [B, M] float32 cumulative log-probs, parents
+    [B, M] int64 candidate id (-1 = root), chunk_pos [B, M] int64 position in
+    the expansion chunk (-1 = never forwarded), frontier [B, K] newest frontier.
+    """
+
+    def __init__(self, root_logp: torch.Tensor, topk: int, depth: int) -> None:
+        b, dev = root_logp.shape[0], root_logp.device
+        k = self.topk = topk
+        self.depth = depth
+        m = k + (depth - 1) * k * k
+        self.tokens = torch.zeros(b, m, dtype=torch.long, device=dev)
+        self.scores = torch.full((b, m), float("-inf"), device=dev)
+        self.parents = torch.full((b, m), -1, dtype=torch.long, device=dev)
+        self.chunk_pos = torch.full((b, m), -1, dtype=torch.long, device=dev)
+        self.chunk_ids = torch.zeros(b, (depth - 1) * k, dtype=torch.long, device=dev)
+        lp, tok = root_logp.float().topk(k, dim=-1)                     # [B, K]
+        self.tokens[:, :k] = tok
+        self.scores[:, :k] = _clean(lp)
+        self.frontier = torch.arange(k, device=dev).expand(b, k)        # [B, K]
+        if depth > 1:
+            self._enter_chunk(1, self.frontier)
+
+    def _enter_chunk(self, level: int, ids: torch.Tensor) -> None:
+        b, k = ids.shape
+        pos = (level - 1) * k + torch.arange(k, device=ids.device)
+        self.chunk_ids[:, pos] = ids
+        self.chunk_pos.scatter_(1, ids, pos.expand(b, k))
+
+    def chunk(self, level: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The tree chunk of frontier levels 1 .. level.
+
+        Returns tokens [B, level*K], chunk-local parents [B, level*K] (-1 = a
+        root child, which sees only the context) and depth offsets [level*K]
+        (0 for level 1: positions are kv_len + level - 1).
+        """
+        ids = self.chunk_ids[:, :level * self.topk]
+        tok = self.tokens.gather(1, ids)
+        par = self.parents.gather(1, ids)
+        cpar = torch.where(par >= 0, self.chunk_pos.gather(1, par.clamp(min=0)), -1)
+        return tok, cpar, [lv for lv in range(level) for _ in range(self.topk)]
+
+    def grow(self, level: int, logp: torch.Tensor) -> None:
+        """Add level + 1 from logp [B, K, V], the next-token log-probs of the
+        level-`level` frontier (chunk positions (level-1)*K .. level*K - 1)."""
+        b, k = self.frontier.shape
+        lp, tok = logp.float().topk(k, dim=-1)                          # [B, K, K]
+        score = self.scores.gather(1, self.frontier).unsqueeze(-1) + _clean(lp)
+        ids = k + (level - 1) * k * k + torch.arange(k * k, device=lp.device)
+        self.tokens[:, ids] = tok.reshape(b, k * k)
+        self.scores[:, ids] = score.reshape(b, k * k)
+        self.parents[:, ids] = self.frontier.unsqueeze(-1).expand(b, k, k).reshape(b, k * k)
+        if level + 1 < self.depth:
+            best = score.reshape(b, k * k).topk(k, dim=-1).indices      # [B, K]
+            self.frontier = ids[best]
+            self._enter_chunk(level + 1, self.frontier)
+
+    def rerank(self, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The best num_nodes candidates, best first (a topological order).
+
+        Returns tokens [B, N] int32, parents [B, N] int32 (-1 = root, else an
+        earlier node) and chunk_pos [B, N] int64 of each emitted node.
+        """
+        b, _ = self.scores.shape
+        keep = self.scores.sort(dim=1, descending=True, stable=True).indices[:, :num_nodes]
+        pos_of = torch.full_like(self.parents, -1)
+        pos_of.scatter_(1, keep, torch.arange(num_nodes, device=keep.device).expand(b, num_nodes))
+        par = self.parents.gather(1, keep)
+        parents = torch.where(par >= 0, pos_of.gather(1, par.clamp(min=0)), -1)
+        return (self.tokens.gather(1, keep).to(torch.int32), parents.to(torch.int32),
+                self.chunk_pos.gather(1, keep))
+
+
+def _clean(logp: torch.Tensor) -> torch.Tensor:
+    """Log-probs that keep cumulative scores monotone: <= 0, NaN as -inf."""
+    return logp.nan_to_num(nan=float("-inf")).clamp(max=0.0)

@@ -1,0 +1,207 @@
+"""The model proposer: greedy chains, EAGLE-2 trees, KV rollback, page accounting."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Qwen3ForCausalLM
+
+from common.tree import PAD, TreeEnvelope, envelope_from, node_depths, validate_tree
+from draft_service.config import DraftConfig
+from draft_service.model_proposer import ModelProposer
+from draft_service.tree_build import Expansion
+from kernels import reference
+
+VOCAB = 96
+PROMPTS = [[1, 5, 9, 13, 2, 7, 7, 30, 31], [3, 4, 5], [60]]
+
+
+def make(path, env: TreeEnvelope, num_blocks: int = 64, block_size: int = 4) -> ModelProposer:
+    return ModelProposer.from_config(DraftConfig(
+        method="model", model=str(path), envelope=env, device="cpu", kernels="reference",
+        num_blocks=num_blocks, block_size=block_size))
+
+
+def hf_next_logp(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+
+
+def path_of(tokens: list[int], parents: list[int], i: int) -> list[int]:
+    out = []
+    while i >= 0:
+        out.append(tokens[i])
+        i = parents[i]
+    return out[::-1]
+
+
+@pytest.mark.parametrize("which", ["draft_dir", "target_dir"])
+def test_chain_is_the_draft_models_greedy_continuation(which, request):
+    path = request.getfixturevalue(which)
+    hf = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prop = make(path, envelope_from("chain4"))
+    for s, p in enumerate(PROMPTS):
+        prop.update(s, p, len(p), [], None)
+    tokens, parents = prop.propose(list(range(len(PROMPTS))))
+    for s, p in enumerate(PROMPTS):
+        ids = list(p)
+        for _ in range(4):
+            ids.append(int(hf_next_logp(hf, ids).argmax()))
+        assert tokens[s].tolist() == ids[len(p):], f"seq {s}"
+        assert parents[s].tolist() == [-1, 0, 1, 2]
+
+
+def test_tree_level1_is_topk_and_rerank_is_best_first(draft_dir):
+    hf = Qwen3ForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    for name in ("tree-small", "tree-wide"):
+        env = envelope_from(name)
+        prop = make(draft_dir, env)
+        for s, p in enumerate(PROMPTS):
+            prop.update(s, p, len(p), [], None)
+        tokens, parents = prop.propose(list(range(len(PROMPTS))))
+        assert validate_tree(tokens, parents, env.num_nodes, VOCAB) is None
+        assert int(node_depths(parents).max()) <= env.depth
+        for s, p in enumerate(PROMPTS):
+            t, par = tokens[s].tolist(), parents[s].tolist()
+            assert PAD not in par                      # a model always fills the tree
+            level1 = {x for x, q in zip(t, par) if q == -1}
+            assert level1 == set(hf_next_logp(hf, p).topk(env.topk).indices.tolist())
+            # cumulative draft log-prob of every node's path, recomputed by HF
+            score = []
+            for i in range(env.num_nodes):
+                ids, lp = list(p), 0.0
+                for x in path_of(t, par, i):
+                    lp += float(hf_next_logp(hf, ids)[x])
+                    ids.append(x)
+                score.append(lp)
+            assert all(a >= b - 1e-4 for a, b in zip(score, score[1:])), "not best first"
+            for i, q in enumerate(par):
+                assert q < i and (q == -1 or score[q] >= score[i] - 1e-5)
+
+
+def test_expansion_docstring_example():
+    a, b, c, d, e, f = 10, 11, 12, 13, 14, 15
+    root = torch.full((1, 20), -9.0)
+    root[0, a], root[0, b] = -0.1, -1.0
+    exp = Expansion(root, topk=2, depth=2)
+    tok, cpar, depths = exp.chunk(1)
+    assert tok.tolist() == [[a, b]] and cpar.tolist() == [[-1, -1]] and depths == [0, 0]
+    logp = torch.full((1, 2, 20), -9.0)
+    logp[0, 0, c], logp[0, 0, d] = -0.2, -2.0
+    logp[0, 1, e], logp[0, 1, f] = -0.2, -2.0
+    exp.grow(1, logp)
+    t, p, chunk = exp.rerank(3)
+    assert t.tolist() == [[a, c, b]] and p.tolist() == [[-1, 0, -1]]
+    assert chunk.tolist() == [[0, -1, 1]]
+
+
+def test_rerank_ties_keep_parents_first():
+    # every log-prob 0: all scores tie, so order falls back to candidate id = depth
+    exp = Expansion(torch.zeros(1, 8), topk=2, depth=3)
+    for level in (1, 2):
+        exp.grow(level, torch.zeros(1, 2, 8))
+    t, p, _ = exp.rerank(10)
+    assert validate_tree(t, p, 10, 8) is None
+    assert node_depths(p)[0].tolist() == sorted(node_depths(p)[0].tolist())
+
+
+def random_walk(rng: random.Random, tokens: list[int], parents: list[int]) -> list[int]:
+    """A random accepted path: from the root, descend to a random child, stop at random."""
+    path, cur = [], -1
+    while True:
+        kids = [i for i, q in enumerate(parents) if q == cur]
+        if not kids or rng.random() < 0.2:
+            return path
+        cur = rng.choice(kids)
+        path.append(cur)
+
+
+@pytest.mark.parametrize("name", ["chain4", "tree-small", "tree-wide"])
+def test_compacted_kv_proposes_exactly_what_a_recompute_does(draft_dir, name):
+    env = envelope_from(name)
+    moves = []
+
+    def counting_compact(k, v, src, dst):
+        moves.append(int((src != dst).sum()))
+        reference.compact_kv(k, v, src, dst)
+
+    inc = make(draft_dir, env, num_blocks=128)
+    inc.ops = SimpleNamespace(**{n: getattr(reference, n) for n in
+                                 ("write_kv", "paged_tree_attention", "accept_greedy")},
+                              compact_kv=counting_compact)
+    fresh = make(draft_dir, env, num_blocks=128)
+    rng = random.Random(3)
+    seqs = {s: list(p) for s, p in enumerate(PROMPTS)}
+    for s, p in seqs.items():
+        inc.update(s, p, len(p), [], None)
+    kept = 0
+    for step in range(6):
+        order = list(seqs)
+        rng.shuffle(order)
+        t, p = inc.propose(order)
+        for s in order:
+            fresh.release(s)
+            fresh.update(s, seqs[s], len(seqs[s]), [], None)
+        t2, p2 = fresh.propose(order)
+        assert torch.equal(t, t2) and torch.equal(p, p2), f"step {step}"
+        for row, s in enumerate(order):
+            path = random_walk(rng, t[row].tolist(), p[row].tolist())
+            new = [int(t[row, n]) for n in path] + [rng.randrange(VOCAB)]
+            seqs[s].extend(new)
+            before = inc._seqs[s].pages.kv_len
+            inc.update(s, seqs[s], len(new), path, None)
+            kept += inc._seqs[s].pages.kv_len - before
+    assert kept > 0, "no accepted KV was ever kept"
+    if env.topk > 1:
+        assert sum(moves) > 0, "no KV was ever moved"
+
+
+def test_inconsistent_accepted_nodes_are_recomputed(draft_dir):
+    env = envelope_from("tree-small")
+    inc, fresh = make(draft_dir, env), make(draft_dir, env)
+    p = list(PROMPTS[0])
+    inc.update(0, p, len(p), [], None)
+    t, par = inc.propose([0])
+    wrong = [int(t[0, 0]) + 1 if int(t[0, 0]) + 1 < VOCAB else 0, 5]   # not what node 0 says
+    p += wrong
+    inc.update(0, p, 2, [0], None)                    # claims node 0 was accepted
+    assert inc._seqs[0].pages.kv_len == len(PROMPTS[0])
+    fresh.update(0, p, len(p), [], None)
+    a, b = inc.propose([0]), fresh.propose([0])
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_release_frees_every_page(draft_dir):
+    prop = make(draft_dir, envelope_from("tree-wide"), num_blocks=64)
+    start = prop.cache.blocks.num_free
+    for s, p in enumerate(PROMPTS):
+        prop.update(s, p, len(p), [], None)
+    prop.propose([0, 1, 2])
+    assert prop.cache.blocks.num_free < start
+    for s in range(3):
+        prop.release(s)
+    prop.release(1)
+    assert prop.cache.blocks.num_free == start
+
+
+def test_out_of_pages_drops_idle_kv_then_pads(draft_dir):
+    env = envelope_from("chain4")        # scratch 3 slots; block 4
+    prop = make(draft_dir, env, num_blocks=6, block_size=4)
+    long = list(range(1, 14))            # 13 + 3 = 16 slots = 4 pages
+    prop.update(0, long, len(long), [], None)
+    prop.update(1, [2, 3], 2, [], None)  # 2 + 3 = 5 slots = 2 pages
+    t, _ = prop.propose([0, 1])
+    assert prop.cache.blocks.num_free == 0
+    prop.update(2, [4, 5, 6], 3, [], None)
+    t, p = prop.propose([2])             # needs 2 pages: seq 0 (least recent) loses its KV
+    assert (p[0] != PAD).all()
+    assert not prop._seqs[0].pages.pages and prop._seqs[1].pages.pages
+    huge = list(range(1, 40))
+    prop.update(3, huge, len(huge), [], None)
+    t, p = prop.propose([3, 2])          # seq 3 can never fit: padding, seq 2 still drafts
+    assert (p[0] == PAD).all() and (p[1] != PAD).all()
+    t, p = prop.propose([0])             # seq 0 recomputes from its tokens
+    assert (p[0] != PAD).all()
