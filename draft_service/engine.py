@@ -1,0 +1,150 @@
+"""The draft engine: committed-token bookkeeping around one Proposer. No grpc here.
+
+The verify service is the authority on committed tokens; this engine keeps a
+cache of them per sequence and checks every update against it:
+
+* ``full`` update: the sequence restarts from ``new_tokens`` (the whole list);
+* otherwise the sequence must be known and ``len(known) + len(new_tokens) ==
+  committed_len``. If not, its state is dropped, its row is all padding and its
+  id goes into ``TreeBatch.resync`` (the verify side then sends ``full``);
+* ``accepted_nodes`` reach the proposer only when ``accepted_step_id`` names the
+  step whose tree this engine emitted for that sequence last; otherwise the
+  proposer recomputes;
+* ``released`` ids are forgotten before the batch is processed; past
+  ``max_sequences`` the least recently used state is evicted (it will resync).
+
+Malformed requests raise InvalidRequest (see ``check_request``): they are bugs
+in the caller, not state drift, and a resync would not fix them.
+
+Example: step 7 sends seq 3 ``full`` with ``[1, 2, 3]`` (committed_len 3); the
+draft proposes off root 3. Step 8 sends ``new_tokens [9, 4]``, committed_len 5,
+accepted_nodes [0] of step 7: the engine appends, the proposer keeps node 0's
+work. Had step 8 said committed_len 6, seq 3 would come back in ``resync``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from common.errors import InvalidRequest
+from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, TreeBatch
+from common.tree import TreeEnvelope
+from draft_service.config import DraftConfig
+from draft_service.proposer import Proposer, padding_trees
+from draft_service.registry import build_proposer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _SeqState:
+    tokens: list[int]               # committed tokens, prompt included
+    tree_step: int | None = None    # step id of the last tree emitted for it
+
+
+def check_request(req: SpecRequest, env: TreeEnvelope, vocab_size: int) -> None:
+    """Raise InvalidRequest if req is malformed (whatever the engine's state).
+
+    Malformed: a duplicate seq_id, committed_len < 1 (a tree needs a root), a
+    ``full`` update whose new_tokens are not committed_len long, a token outside
+    [0, vocab_size) (any token >= 0 when vocab_size is 0), more accepted nodes
+    than the envelope's depth or one outside [0, num_nodes).
+    """
+    seen: set[int] = set()
+    for u in req.seqs:
+        where = f"step {req.step_id}, seq {u.seq_id}"
+        if u.seq_id in seen:
+            raise InvalidRequest(f"{where}: sequence appears twice in one request")
+        seen.add(u.seq_id)
+        if u.committed_len < 1:
+            raise InvalidRequest(f"{where}: committed_len {u.committed_len} < 1")
+        if u.full and len(u.new_tokens) != u.committed_len:
+            raise InvalidRequest(f"{where}: a full update has {len(u.new_tokens)} tokens "
+                                 f"but committed_len {u.committed_len}")
+        if u.new_tokens and (min(u.new_tokens) < 0
+                             or (vocab_size and max(u.new_tokens) >= vocab_size)):
+            raise InvalidRequest(f"{where}: a token is outside the vocabulary "
+                                 f"[0, {vocab_size or 'any'})")
+        if len(u.accepted_nodes) > env.depth or any(
+                not 0 <= n < env.num_nodes for n in u.accepted_nodes):
+            raise InvalidRequest(f"{where}: accepted_nodes {u.accepted_nodes} do not fit "
+                                 f"depth {env.depth} / {env.num_nodes} nodes")
+
+
+class DraftEngine:
+    def __init__(self, cfg: DraftConfig, proposer: Proposer | None = None) -> None:
+        self.cfg = cfg
+        self.env = cfg.envelope
+        self.proposer = proposer if proposer is not None else build_proposer(cfg)
+        self._seqs: OrderedDict[int, _SeqState] = OrderedDict()
+
+    @property
+    def info(self) -> DrafterInfo:
+        p = self.proposer
+        return DrafterInfo(envelope=self.env, vocab_size=p.vocab_size, proposer=self.cfg.method,
+                           target_hidden_layers=tuple(p.target_hidden_layers), model=p.model)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Forget these sequences (unknown ids are fine)."""
+        for s in seq_ids:
+            self._seqs.pop(s, None)
+            self.proposer.release(s)
+
+    def step(self, req: SpecRequest) -> TreeBatch:
+        """Apply req's updates and propose one tree per sequence, in request order."""
+        check_request(req, self.env, self.proposer.vocab_size)
+        self.release(req.released)
+        ids = [u.seq_id for u in req.seqs]
+        tokens, parents = padding_trees(len(ids), self.env.num_nodes)
+        try:
+            live = [r for r, u in enumerate(req.seqs) if self._apply(u)]
+            evicted = self._evict()
+            live = [r for r in live if ids[r] not in evicted]
+            if live:
+                t, p = self.proposer.propose([ids[r] for r in live])
+                tokens[live], parents[live] = t, p
+        except Exception:
+            self.release(ids)   # never leave a half-applied state behind
+            raise
+        for r in live:
+            self._seqs[ids[r]].tree_step = req.step_id
+        live_set = set(live)
+        resync = [s for r, s in enumerate(ids) if r not in live_set]
+        if resync:
+            log.debug("step %d: resync %s", req.step_id, resync)
+        return TreeBatch(step_id=req.step_id, seq_ids=ids, tokens=tokens, parents=parents,
+                         resync=resync)
+
+    def _apply(self, u: SeqUpdate) -> bool:
+        """Bring one sequence up to date; False if it must resync."""
+        if u.full:
+            self.release([u.seq_id])
+            st = self._seqs[u.seq_id] = _SeqState(list(u.new_tokens))
+            self.proposer.update(u.seq_id, st.tokens, len(st.tokens), [], u.hidden)
+            return True
+        st = self._seqs.get(u.seq_id)
+        if st is None or len(st.tokens) + len(u.new_tokens) != u.committed_len:
+            self.release([u.seq_id])
+            return False
+        self._seqs.move_to_end(u.seq_id)
+        st.tokens.extend(u.new_tokens)
+        fresh = st.tree_step is not None and u.accepted_step_id == st.tree_step
+        st.tree_step = None
+        self.proposer.update(u.seq_id, st.tokens, len(u.new_tokens),
+                             u.accepted_nodes if fresh else [], u.hidden)
+        return True
+
+    def _evict(self) -> set[int]:
+        """Drop least recently used states beyond max_sequences."""
+        evicted: set[int] = set()
+        while len(self._seqs) > self.cfg.max_sequences:
+            s = next(iter(self._seqs))
+            self.release([s])
+            evicted.add(s)
+        return evicted
