@@ -10,6 +10,7 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 import services
+from common.client import TreespecClient
 
 pytestmark = pytest.mark.skipif(services.servers_missing() is not None,
                                 reason=f"{services.servers_missing()}: the services are being "
@@ -47,13 +48,14 @@ def check_stats(out: dict, speculative: bool) -> None:
     s = out["stats"]
     assert out["finish_reason"] == "length"
     assert s["prompt_tokens"] == len(PROMPT) and s["completion_tokens"] == MAX_TOKENS
-    assert 1 <= s["steps"] <= MAX_TOKENS
+    assert 1 <= s["steps"] <= MAX_TOKENS - 1   # prefill makes the first token
     assert 0 <= s["accepted_tokens"] <= s["draft_tokens"]
     assert 0 <= s["fallback_steps"] <= s["steps"]
     if speculative:
         assert s["draft_tokens"] > 0, s
     else:
-        assert s["draft_tokens"] == s["accepted_tokens"] == 0 and s["steps"] == MAX_TOKENS, s
+        assert s["draft_tokens"] == s["accepted_tokens"] == 0, s
+        assert s["steps"] == MAX_TOKENS - 1, s
 
 
 @pytest.mark.parametrize("stack", ["ngram_stack", "model_stack"])
@@ -103,6 +105,8 @@ def test_sampling_is_refused_with_invalid_argument(ngram_stack):
 
 def test_draft_service_stops_cleanly_on_sigterm():
     draft = services.start_draft("ngram")
+    with TreespecClient(draft.addr) as c:  # health only: any treespec service has it
+        c.wait_ready(30.0)
     start = time.monotonic()
     assert draft.stop(grace=20.0) == 0, draft.output(40)
     assert time.monotonic() - start < 20.0
