@@ -1,0 +1,113 @@
+"""Launcher checks shared by the Triton kernels of this package.
+
+Every launcher validates its arguments here before it launches, and raises
+ValueError naming the argument, so a bad call fails in Python rather than as an
+illegal memory access. Under ``TRITON_INTERPRET=1`` (how the tests run on a CPU)
+``triton.jit`` returns an interpreted function and CPU tensors are accepted;
+otherwise every tensor must be on one CUDA device.
+
+The in-kernel reductions below (vsum, vmax, vmin, vcumsum) stand in for tl.sum,
+tl.max, tl.min, tl.cumsum, which triton.language defines as @jit functions: those are
+decorated when triton is first imported, so if anything imported triton before
+TRITON_INTERPRET was set they are compiled-mode functions the interpreter cannot
+call. Ours are decorated with the kernels and work either way; compiled, they are
+the same tl.reduce / tl.associative_scan the library versions lower to.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def interpreted(kernel: object) -> bool:
+    """True when this jitted kernel runs in Triton's interpreter."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def check_devices(kernel: object, where: str, **tensors: torch.Tensor) -> torch.device:
+    """All tensors on one device, which is CUDA unless the kernel is interpreted."""
+    devices = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    if any(d != first for d in devices.values()):
+        raise ValueError(f"{where}: tensors on different devices: {devices}")
+    if first.type != "cuda" and not interpreted(kernel):
+        raise ValueError(f"{where}: tensors must be on a CUDA device (got {first}); "
+                         "CPU tensors run only under TRITON_INTERPRET=1")
+    return first
+
+
+def check_dtype(where: str, name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        raise ValueError(f"{where}: {name} must be one of {[str(d) for d in allowed]}, got {t.dtype}")
+
+
+def check_shape(where: str, name: str, t: torch.Tensor, shape: tuple[int | None, ...]) -> None:
+    """shape entries of None match any size."""
+    ok = t.dim() == len(shape) and all(s is None or s == n for s, n in zip(shape, t.shape))
+    if not ok:
+        want = tuple("*" if s is None else s for s in shape)
+        raise ValueError(f"{where}: {name} must have shape {want}, got {tuple(t.shape)}")
+
+
+def check_unit_last(where: str, name: str, t: torch.Tensor) -> None:
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{where}: {name} must be contiguous in its last dim, strides {t.stride()}")
+
+
+def check_contiguous(where: str, name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{where}: {name} must be contiguous, strides {t.stride()}")
+
+
+def check_paged(where: str, name: str, cache: torch.Tensor, page_dim: int) -> None:
+    """Pages and slots of a cache flatten into one slot index: a page's stride is
+    block_size times a slot's stride, and head_dim is unit-stride."""
+    bs = cache.shape[page_dim + 1]
+    if cache.stride(page_dim) != bs * cache.stride(page_dim + 1):
+        raise ValueError(f"{where}: {name} pages must be dense in slots "
+                         f"(stride {cache.stride()} for shape {tuple(cache.shape)})")
+    check_unit_last(where, name, cache)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _minimum(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def vsum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _add)
+
+
+@triton.jit
+def vmax(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _maximum)
+
+
+@triton.jit
+def vmin(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _minimum)
+
+
+@triton.jit
+def vcumsum(x, axis: tl.constexpr):
+    return tl.associative_scan(x, axis, _add)
