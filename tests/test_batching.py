@@ -1,0 +1,87 @@
+"""Continuous batching: concurrent requests give the ids each gives alone; cancelled
+requests return their pages; bad requests get INVALID_ARGUMENT and lose nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from common.client import AsyncTreespecClient, TreespecError
+from inproc import greedy_reference, services
+from tests_data import EOS_PROMPT
+
+PROMPTS = [[1 + i, 5, 9 + i, 13, 2, 7, 1 + i, 5, 9 + i] for i in range(8)]
+
+
+def test_eight_concurrent_requests_equal_each_alone(target_dir, draft_dir):
+    async def go():
+        async with services(target_dir, "model", draft_dir, "tree-small", max_batch=8) as h:
+            async with AsyncTreespecClient(h["addr"]) as c:
+                lens = [8 + 3 * i for i in range(8)]   # finish at different steps
+                together = await asyncio.gather(*[
+                    c.generate(prompt_ids=p, max_tokens=n, ignore_eos=True)
+                    for p, n in zip(PROMPTS, lens)])
+                alone = [await c.generate(prompt_ids=p, max_tokens=n, ignore_eos=True)
+                         for p, n in zip(PROMPTS, lens)]
+            blocks = h["engine"].cache.blocks
+            return together, alone, lens, blocks.num_free == blocks.num_blocks
+    together, alone, lens, free = asyncio.run(go())
+    for p, n, a, b in zip(PROMPTS, lens, together, alone):
+        assert a.token_ids == b.token_ids == greedy_reference(target_dir, p, n)
+    assert free
+
+
+def test_cancelled_streams_return_every_page(target_dir):
+    async def go():
+        async with services(target_dir, "ngram", envelope="chain4") as h:
+            async with AsyncTreespecClient(h["addr"]) as c:
+                async def partial(p):
+                    async for chunk in c.generate_stream(prompt_ids=p, max_tokens=400,
+                                                         ignore_eos=True):
+                        if chunk.token_ids:
+                            break      # leaving the stream cancels the call
+                await asyncio.gather(*[partial(p) for p in PROMPTS[:4]])
+                await asyncio.sleep(0.5)
+                blocks = h["engine"].cache.blocks
+                free_after_cancel = blocks.num_free == blocks.num_blocks
+                ok = await c.generate(prompt_ids=PROMPTS[0], max_tokens=6, ignore_eos=True)
+            return free_after_cancel, ok, not h["engine"].running
+    free, ok, idle = asyncio.run(go())
+    assert free and idle
+    assert ok.token_ids == greedy_reference(target_dir, PROMPTS[0], 6)
+
+
+def test_stop_tokens_and_eos_end_the_request(target_dir):
+    ref = greedy_reference(target_dir, EOS_PROMPT, 12)
+
+    async def go():
+        async with services(target_dir, "ngram") as h:
+            async with AsyncTreespecClient(h["addr"]) as c:
+                stop_at = ref[5]
+                a = await c.generate(prompt_ids=EOS_PROMPT, max_tokens=12, ignore_eos=True,
+                                     stop_token_ids=[stop_at])
+                return a, stop_at
+    a, stop_at = asyncio.run(go())
+    cut = ref.index(stop_at) + 1
+    assert a.token_ids == ref[:cut] and a.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(prompt_ids=[1, 2], temperature=0.7), "sampling is not supported yet"),
+    (dict(prompt_ids=[1, 500]), "outside the vocabulary"),
+    (dict(prompt="hello"), "no tokenizer"),
+])
+def test_bad_requests_are_invalid_argument(target_dir, kw, message):
+    async def go():
+        async with services(target_dir, "ngram") as h:
+            async with AsyncTreespecClient(h["addr"]) as c:
+                with pytest.raises(TreespecError) as err:
+                    await c.generate(max_tokens=4, **kw)
+                good = await c.generate(prompt_ids=[1, 2, 3], max_tokens=4, ignore_eos=True)
+            blocks = h["engine"].cache.blocks
+            return err.value, good, blocks.num_free == blocks.num_blocks
+    err, good, free = asyncio.run(go())
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and message in err.details
+    assert good.token_ids == greedy_reference(target_dir, [1, 2, 3], 4) and free
