@@ -13,7 +13,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from common.client import TreespecClient, TreespecError
+from common.client import TreespecClient, TreespecError, tokens_per_step
 from common.model_paths import resolve_model
 
 SERVERS = {"draft": "draft_service.server", "verify": "verify_service.server"}
@@ -182,9 +182,8 @@ def generate(args: argparse.Namespace) -> int:
         print()
     if last is not None and last.stats is not None:
         s = last.stats
-        per_step = s["completion_tokens"] / s["steps"] if s["steps"] else 0.0
         print(f"[{last.finish_reason}] {s['completion_tokens']} tokens in {s['steps']} steps "
-              f"({per_step:.2f}/step), {s['accepted_tokens']}/{s['draft_tokens']} draft tokens "
+              f"({tokens_per_step(s):.2f}/step), {s['accepted_tokens']}/{s['draft_tokens']} draft tokens "
               f"accepted, {s['fallback_steps']} fallback steps", file=sys.stderr)
     return 0
 

@@ -100,6 +100,14 @@ class GenerateArgs(TypedDict, total=False):
     timeout: float | None         # deadline in seconds; default the client's
 
 
+def tokens_per_step(stats: dict[str, int]) -> float:
+    """Mean tokens a decode step committed: 1.0 for plain decode, up to depth + 1 speculating.
+
+    The first completion token comes from the prefill forward, which `steps` excludes.
+    """
+    return (stats["completion_tokens"] - 1) / stats["steps"] if stats["steps"] else 0.0
+
+
 def build_request(prompt: str | None = None, prompt_ids: Iterable[int] | None = None,
                   max_tokens: int = 64, stop_token_ids: Iterable[int] = (),
                   ignore_eos: bool = False, temperature: float = 0.0, top_p: float = 1.0,

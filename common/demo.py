@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.client import Completion, ServerInfo, TreespecClient, Collector
+from common.client import Collector, Completion, ServerInfo, TreespecClient, tokens_per_step
 from common.demo_checkpoints import DemoModels, demo_models
 from common.launch import ServiceProcess, start_service
 from common.model_paths import resolve_model
@@ -92,7 +92,7 @@ def _report(spec: Completion, spec_s: float, plain: Completion, plain_s: float) 
         s = c.stats
         n, steps = s["completion_tokens"], s["steps"]
         rows.append((label, f"{secs:.3f}", str(n), str(steps), str(s["draft_tokens"]),
-                     str(s["accepted_tokens"]), f"{n / steps:.2f}" if steps else "-",
+                     str(s["accepted_tokens"]), f"{tokens_per_step(s):.2f}" if steps else "-",
                      f"{n / secs:.1f}" if secs else "-"))
     head = ("", "seconds", "tokens", "steps", "draft tok", "accepted", "tok/step", "tok/s")
     widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]

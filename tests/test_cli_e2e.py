@@ -26,8 +26,10 @@ def reference(target_dir) -> list[int]:
     """transformers greedy continuation of PROMPT, ignoring EOS."""
     hf = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
-    out = hf.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=MAX_TOKENS,
-                      pad_token_id=0)
+    ids = torch.tensor([PROMPT])
+    # an explicit mask: generate would otherwise read pad_token_id in the prompt as padding
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                      max_new_tokens=MAX_TOKENS, pad_token_id=0)
     return out[0, len(PROMPT):].tolist()
 
 
