@@ -129,12 +129,13 @@ def run_demo(args: argparse.Namespace) -> int:
             draft_args += ["--model", models.draft]
         services.append(start_service("draft", draft_args, args.startup_timeout))
         draft_addr = services[0].addr
-        print(f"draft service listening on {draft_addr}")
+        print(f"draft service listening on {draft_addr} (pid {services[0].proc.pid})")
         services.append(start_service("verify", [
             "verify", "--model", models.target, "--draft", draft_addr, "--port", "0",
             "--device", args.device], args.startup_timeout))
         verify_addr = services[1].addr
-        print(f"verify service listening on {verify_addr}")
+        print(f"verify service listening on {verify_addr} (pid {services[1].proc.pid})",
+              flush=True)
         with TreespecClient(verify_addr) as client:
             client.wait_ready(args.startup_timeout)
             info = _wait_draft(client, 30.0)
