@@ -1,0 +1,133 @@
+"""Every knob of the tiny-family training run, built from the command line in one place."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class LMShape:
+    """A Qwen3 decoder's numbers (the fields of transformers.Qwen3Config we set)."""
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    steps: int
+    batch: int          # sequences per step
+    lr: float
+    warmup: int
+    budget_share: float  # share of --minutes-budget this stage may use
+
+
+@dataclass(frozen=True)
+class Settings:
+    out: str
+    device: str
+    seed: int = 0
+    minutes_budget: float = 6.0
+    max_files: int | None = None        # keep a deterministic subset of training files
+    vocab_size: int = 6144
+    draft_vocab_size: int = 2048
+    seq_len: int = 512
+    max_position: int = 2048
+    rope_theta: float = 10000.0
+    target: LMShape = LMShape(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64,
+                              intermediate=768)
+    draft: LMShape = LMShape(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32,
+                             intermediate=512)
+    eagle_intermediate: int = 768
+    ttt_steps: int = 4                  # EAGLE-3 unrolled steps (1 = plain next-token)
+    target_stage: StageSettings = StageSettings(steps=3000, batch=32, lr=2e-3, warmup=100,
+                                                budget_share=0.42)
+    draft_stage: StageSettings = StageSettings(steps=1500, batch=32, lr=3e-3, warmup=50,
+                                               budget_share=0.18)
+    eagle_stage: StageSettings = StageSettings(steps=1500, batch=32, lr=2e-3, warmup=50,
+                                               budget_share=0.18)
+    gen_seqs: int = 2048                # target-greedy sequences for draft/EAGLE distillation
+    gen_prompt_len: int = 128
+    gen_len: int = 128
+    gen_mix: float = 0.5                # share of distillation steps on generated sequences
+    eval_prompts: int = 24
+    eval_prompt_len: int = 128
+    eval_new_tokens: int = 64
+    eval_chain: int = 4
+    loss_eval_windows: int = 64
+    log_every: int = 100
+    eval_every: int = 1000               # held-out report inside a stage (0: only at its end)
+    save_dtype: str = "bfloat16"
+    compile: bool = False
+    tiny: bool = False
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def tiny_settings(base: Settings) -> Settings:
+    """A CPU smoke configuration: same pipeline, toy sizes."""
+    stage = StageSettings(steps=60, batch=8, lr=3e-3, warmup=5, budget_share=0.25)
+    return replace(base, tiny=True, vocab_size=1024, draft_vocab_size=256, seq_len=64,
+                   max_position=512,
+                   target=LMShape(hidden=64, layers=5, heads=2, kv_heads=1, head_dim=32,
+                                  intermediate=128),
+                   draft=LMShape(hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16,
+                                 intermediate=64),
+                   eagle_intermediate=128, ttt_steps=3,
+                   target_stage=stage, draft_stage=stage, eagle_stage=stage,
+                   gen_seqs=8, gen_prompt_len=16, gen_len=16,
+                   eval_prompts=2, eval_prompt_len=32, eval_new_tokens=12,
+                   loss_eval_windows=4, log_every=10, eval_every=0, minutes_budget=1.5,
+                   max_files=base.max_files if base.max_files is not None else 60)
+
+
+def parse_args(argv: list[str] | None = None) -> Settings:
+    p = argparse.ArgumentParser(
+        prog="python bench/train_tiny.py",
+        description="Train the tiny Qwen3 family (target, draft, EAGLE-3 head) on the "
+                    "Python standard library and save HF-layout checkpoints.")
+    p.add_argument("--out", required=True, help="directory that receives the three checkpoints")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--minutes-budget", type=float, default=None,
+                   help="wall-clock cap; each stage shrinks its step count to fit its share")
+    p.add_argument("--tiny", action="store_true", help="toy sizes for a CPU smoke run")
+    p.add_argument("--max-files", type=int, default=None,
+                   help="train on a deterministic subset of this many files")
+    p.add_argument("--steps", type=int, default=None, help="steps of every training stage")
+    p.add_argument("--target-steps", type=int, default=None)
+    p.add_argument("--draft-steps", type=int, default=None)
+    p.add_argument("--eagle-steps", type=int, default=None)
+    p.add_argument("--gen-seqs", type=int, default=None,
+                   help="target-greedy sequences generated for distillation (0: real text only)")
+    p.add_argument("--eval-prompts", type=int, default=None)
+    p.add_argument("--log-every", type=int, default=None)
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--compile", action="store_true", help="torch.compile the training forwards")
+    a = p.parse_args(argv)
+
+    import torch
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    s = Settings(out=a.out, device=device, seed=a.seed, max_files=a.max_files,
+                 compile=a.compile)
+    if a.tiny:
+        s = tiny_settings(s)
+    if a.minutes_budget is not None:
+        s = replace(s, minutes_budget=a.minutes_budget)
+    for name, flag in (("target_stage", a.target_steps), ("draft_stage", a.draft_steps),
+                       ("eagle_stage", a.eagle_steps)):
+        steps = flag if flag is not None else a.steps
+        if steps is not None:
+            stage = getattr(s, name)
+            s = replace(s, **{name: replace(stage, steps=steps,
+                                            warmup=min(stage.warmup, max(1, steps // 10)))})
+    for name in ("gen_seqs", "eval_prompts", "log_every", "eval_every"):
+        if getattr(a, name) is not None:
+            s = replace(s, **{name: getattr(a, name)})
+    return s
+
