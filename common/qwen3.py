@@ -159,3 +159,8 @@ class Qwen3Model(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's greedy choice per row, [T] int64 (argmax in the model's dtype,
+        so every path that picks a token picks it the same way)."""
+        return self.lm_head(hidden).argmax(-1)

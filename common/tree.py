@@ -78,14 +78,20 @@ def envelope_from(name: str | None = None, depth: int | None = None,
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
     """Depth of each node (root children = 1); padding gets 0.
 
-    parents: [B, N] int -> [B, N] int32. Uses N gathers (N <= 64), on any device.
+    parents: [B, N] int -> [B, N] int32, on any device with no host sync. List
+    ranking by pointer jumping: each round adds the depth gathered so far at the
+    current ancestor and jumps to that ancestor's ancestor, so ceil(log2 N) + 1
+    rounds suffice (a handful of kernels inside a CUDA graph).
     """
-    valid = parents >= 0
-    depth = torch.where(parents == ROOT, 1, 0).to(torch.int32)
-    idx = parents.clamp(min=0).long()
-    for _ in range(parents.shape[-1]):
-        depth = torch.where(valid, torch.gather(depth, -1, idx) + 1, depth)
-        depth = torch.where(parents == PAD, 0, depth)
+    n = parents.shape[-1]
+    p = parents.long()
+    depth = (p != PAD).to(torch.int32)
+    anc = torch.where(p >= 0, p, -1)
+    for _ in range(max(1, n).bit_length() + 1):
+        live = anc >= 0
+        safe = anc.clamp(min=0)
+        depth = torch.where(live, depth + torch.gather(depth, -1, safe), depth)
+        anc = torch.where(live, torch.gather(anc, -1, safe), anc)
     return depth
 
 

@@ -15,9 +15,11 @@ from tests_data import EOS_PROMPT
 PROMPTS = [[1 + i, 5, 9 + i, 13, 2, 7, 1 + i, 5, 9 + i] for i in range(8)]
 
 
-def test_eight_concurrent_requests_equal_each_alone(target_dir, draft_dir):
+@pytest.mark.parametrize("step_mode", ["ragged", "fixed"])
+def test_eight_concurrent_requests_equal_each_alone(target_dir, draft_dir, step_mode):
     async def go():
-        async with services(target_dir, "model", draft_dir, "tree-small", max_batch=8) as h:
+        async with services(target_dir, "model", draft_dir, "tree-small", max_batch=8,
+                            step_mode=step_mode) as h:
             async with AsyncTreespecClient(h["addr"]) as c:
                 lens = [8 + 3 * i for i in range(8)]   # finish at different steps
                 together = await asyncio.gather(*[
@@ -25,8 +27,7 @@ def test_eight_concurrent_requests_equal_each_alone(target_dir, draft_dir):
                     for p, n in zip(PROMPTS, lens)])
                 alone = [await c.generate(prompt_ids=p, max_tokens=n, ignore_eos=True)
                          for p, n in zip(PROMPTS, lens)]
-            blocks = h["engine"].cache.blocks
-            return together, alone, lens, blocks.num_free == blocks.num_blocks
+            return together, alone, lens, h["engine"].kv_pages_used == 0
     together, alone, lens, free = asyncio.run(go())
     for p, n, a, b in zip(PROMPTS, lens, together, alone):
         assert a.token_ids == b.token_ids == greedy_reference(target_dir, p, n)
@@ -44,8 +45,7 @@ def test_cancelled_streams_return_every_page(target_dir):
                             break      # leaving the stream cancels the call
                 await asyncio.gather(*[partial(p) for p in PROMPTS[:4]])
                 await asyncio.sleep(0.5)
-                blocks = h["engine"].cache.blocks
-                free_after_cancel = blocks.num_free == blocks.num_blocks
+                free_after_cancel = h["engine"].kv_pages_used == 0
                 ok = await c.generate(prompt_ids=PROMPTS[0], max_tokens=6, ignore_eos=True)
             return free_after_cancel, ok, not h["engine"].running
     free, ok, idle = asyncio.run(go())
@@ -80,8 +80,7 @@ def test_bad_requests_are_invalid_argument(target_dir, kw, message):
                 with pytest.raises(TreespecError) as err:
                     await c.generate(max_tokens=4, **kw)
                 good = await c.generate(prompt_ids=[1, 2, 3], max_tokens=4, ignore_eos=True)
-            blocks = h["engine"].cache.blocks
-            return err.value, good, blocks.num_free == blocks.num_blocks
+            return err.value, good, h["engine"].kv_pages_used == 0
     err, good, free = asyncio.run(go())
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT and message in err.details
     assert good.token_ids == greedy_reference(target_dir, [1, 2, 3], 4) and free

@@ -21,6 +21,7 @@ class VerifyConfig:
     prefill_tokens: int = 4096        # prompt tokens admitted per engine iteration
     step_deadline_ms: float = 100.0   # wait this long for a proposal, then plain decode
     reconnect_s: float = 1.0          # retry period while the draft is unreachable
+    step_mode: str = "auto"           # auto (fixed on CUDA), ragged, fixed (CUDA graphs on GPU)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -29,5 +30,7 @@ class VerifyConfig:
             raise ValueError(f"--draft wants HOST:PORT, got {self.draft!r}")
         if self.max_batch < 1 or self.num_blocks < 1 or self.block_size < 1:
             raise ValueError("max_batch, num_blocks and block_size must be >= 1")
+        if self.step_mode not in ("auto", "ragged", "fixed"):
+            raise ValueError(f"step_mode must be auto, ragged or fixed, got {self.step_mode!r}")
         if self.step_deadline_ms <= 0 or self.reconnect_s <= 0:
             raise ValueError("step_deadline_ms and reconnect_s must be > 0")

@@ -24,6 +24,7 @@ from common.spec_types import SeqUpdate, SpecRequest, TreeBatch
 from common.tree import validate_tree
 from kernels.dispatch import select
 from verify_service.draft_link import DraftLink, Fallback
+from verify_service.graph_verifier import GraphVerifier
 from verify_service.request import GenRequest
 from verify_service.sequence import Sequence
 from verify_service.verifier import Verifier
@@ -34,11 +35,15 @@ log = logging.getLogger("treespec.verify.engine")
 class VerifyEngine:
     def __init__(self, model: Qwen3Model, num_blocks: int, block_size: int, max_batch: int,
                  max_model_len: int, prefill_tokens: int, step_deadline_s: float,
-                 link: DraftLink | None = None, kernels: str = "auto") -> None:
+                 link: DraftLink | None = None, kernels: str = "auto",
+                 step_mode: str = "auto") -> None:
         self.model = model
         self.spec = model.spec
         self.cache = model.new_cache(num_blocks, block_size)
-        self.verifier = Verifier(model, self.cache, select(model.device, kernels))
+        ops = select(model.device, kernels)
+        fixed = step_mode == "fixed" or (step_mode == "auto" and model.device.type == "cuda")
+        self.verifier = GraphVerifier(model, self.cache, ops) if fixed else \
+            Verifier(model, self.cache, ops)
         self.max_batch = max_batch
         self.max_model_len = max_model_len or model.spec.max_position
         self.prefill_tokens = prefill_tokens
@@ -54,6 +59,11 @@ class VerifyEngine:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="treespec-verify")
         self._task: asyncio.Task | None = None
         self._stopping = False
+
+    @property
+    def kv_pages_used(self) -> int:
+        """Pages held by sequences (the verifier's own scratch page excluded)."""
+        return self.cache.blocks.num_used - self.verifier.reserved_pages
 
     # ------------------------------------------------------------------ client side
 

@@ -27,7 +27,7 @@ def build_engine(cfg: VerifyConfig) -> tuple[VerifyEngine, GenerationServicer]:
     link = DraftLink(cfg.draft, cfg.reconnect_s, model.spec.vocab_size) if cfg.draft else None
     engine = VerifyEngine(model, cfg.num_blocks, cfg.block_size, cfg.max_batch,
                           cfg.max_model_len, cfg.prefill_tokens, cfg.step_deadline_ms / 1000,
-                          link=link, kernels=cfg.kernels)
+                          link=link, kernels=cfg.kernels, step_mode=cfg.step_mode)
     return engine, GenerationServicer(engine, load_tokenizer(path), str(cfg.model))
 
 

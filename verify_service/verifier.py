@@ -26,6 +26,8 @@ class StepResult:
 
 
 class Verifier:
+    reserved_pages = 0   # pages the verifier itself holds
+
     def __init__(self, model: Qwen3Model, cache: PagedKVCache, ops: ModuleType) -> None:
         self.model, self.cache, self.ops = model, cache, ops
 
@@ -34,7 +36,7 @@ class Verifier:
         """Write every prompt's KV; returns each prompt's greedy next token."""
         fb = build_forward_batch([chain_chunk(p, t) for p, t in zip(pages, prompts)], self.cache)
         hidden, _ = self.model(fb, self.cache, self.ops)
-        nxt = self.model.logits(hidden[fb.last]).argmax(-1).tolist()
+        nxt = self.model.greedy(hidden[fb.last]).tolist()
         for p, t in zip(pages, prompts):
             p.kv_len += len(t)
         return nxt
@@ -54,7 +56,7 @@ class Verifier:
         fb = build_forward_batch(chunks, self.cache)
         hidden, _ = self.model(fb, self.cache, self.ops)
         n1 = tokens.shape[1] + 1
-        target_ids = self.model.logits(hidden).argmax(-1).view(b, n1)            # [B, N+1]
+        target_ids = self.model.greedy(hidden).view(b, n1)                       # [B, N+1]
         accepted, num, bonus = self.ops.accept_greedy(
             tokens.to(dev), parents.to(dev), target_ids, max(depth, 1) if n1 > 1 else 0)
         kv_lens = fb.context_lens

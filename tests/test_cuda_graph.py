@@ -1,0 +1,59 @@
+"""A captured step replays only at its own shape; the fixed-shape step equals the
+ragged one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.cuda_graph import ShapeMismatch, StaticGraph
+from common.kv_cache import SeqPages
+from common.qwen3 import Qwen3Model
+from kernels import reference as ops
+from verify_service.graph_verifier import GraphVerifier
+from verify_service.verifier import Verifier
+
+
+def test_mismatched_shape_or_dtype_is_refused():
+    g = StaticGraph(lambda x, y: (x + y,), [torch.zeros(2, 3), torch.zeros(2, 3)], capture=False)
+    assert torch.equal(g(torch.ones(2, 3), torch.ones(2, 3))[0], torch.full((2, 3), 2.0))
+    with pytest.raises(ShapeMismatch, match=r"captured for \(2, 3\)"):
+        g(torch.ones(3, 3), torch.ones(2, 3))
+    with pytest.raises(ShapeMismatch, match="int32"):
+        g(torch.ones(2, 3, dtype=torch.int32), torch.ones(2, 3))
+    with pytest.raises(ShapeMismatch, match="takes 2 inputs"):
+        g(torch.ones(2, 3))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to capture")
+def test_captured_graph_refuses_other_shapes():
+    x = torch.zeros(4, device="cuda")
+    g = StaticGraph(lambda a: (a * 2,), [x])
+    assert g.graph is not None
+    assert g(torch.ones(4, device="cuda"))[0].sum().item() == 8
+    with pytest.raises(ShapeMismatch):
+        g(torch.ones(5, device="cuda"))
+
+
+def test_fixed_step_equals_ragged_step(target_dir):
+    model = Qwen3Model.from_pretrained(target_dir)
+    prompts = [[1, 5, 9, 13, 2, 7], [3, 4, 5], [8, 8, 8, 8, 8, 8, 8, 8, 8]]
+    probe = Verifier(model, model.new_cache(64, 4), ops)
+    firsts = probe.prefill([SeqPages() for _ in prompts], prompts)
+    seconds = probe.prefill([SeqPages() for _ in prompts],
+                            [p + [f] for p, f in zip(prompts, firsts)])
+    results = []
+    for cls in (Verifier, GraphVerifier):
+        cache = model.new_cache(64, 4)
+        v = cls(model, cache, ops) if cls is Verifier else cls(model, cache, ops, capture=False)
+        pages = [SeqPages() for _ in prompts]
+        assert v.prefill(pages, prompts) == firsts
+        g = torch.Generator().manual_seed(3)
+        tokens = torch.randint(0, 96, (3, 6), generator=g, dtype=torch.int32)
+        tokens[:, 0] = torch.tensor(seconds)       # the target's next token: accepted
+        parents = torch.tensor([[-1, 0, 1, -1, 3, -2]] * 3, dtype=torch.int32)
+        res = v.step(pages, firsts, tokens, parents, depth=3)
+        res2 = v.step(pages, res.bonus, None, None, depth=0)
+        results.append((res.accepted, res.bonus, res2.bonus, [p.kv_len for p in pages]))
+    assert results[0] == results[1]
+    assert any(results[0][0])

@@ -1,0 +1,71 @@
+"""The verify step at a fixed shape, entirely on the device: what a CUDA graph holds.
+
+``fixed_step`` takes [B] roots, [B, N] trees, [B] committed KV lengths and [B, P]
+page tables; it derives depths, positions, slots and the chunk layout from
+``parents`` on the device, runs the target over [root, nodes], picks the target's
+greedy tokens, walks the trees and compacts every accepted path's KV. Nothing in
+it syncs with the host, and every shape depends only on (B, N, P), so one graph
+per (batch bucket, page bucket) replays it. Rows of padding sequences point at a
+scratch page and have all-padding trees; their results are ignored.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from common.forward_batch import ForwardBatch
+from common.kv_cache import PagedKVCache
+from common.qwen3 import Qwen3Model
+from common.tree import verify_chunk_layout
+
+
+def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: int,
+               roots: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+               context_lens: torch.Tensor, block_tables: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """roots [B] int64, tokens/parents [B, N] int32, context_lens [B] int32,
+    block_tables [B, P] int32 -> accepted [B, depth] int32 (padded -1),
+    num_accepted [B] int32, bonus [B] int64. Advancing kv_len is the caller's."""
+    b, n = tokens.shape
+    t = n + 1
+    dev = tokens.device
+    bs = cache.block_size
+    chunk_parents, depths = verify_chunk_layout(parents)                 # [B, T]
+    ctx = context_lens.long().unsqueeze(1)                               # [B, 1]
+    offs = torch.arange(t, device=dev).unsqueeze(0)                      # [1, T]
+    pos_in_seq = ctx + offs                                              # slot positions
+    pages = torch.gather(block_tables.long(), 1, pos_in_seq // bs)
+    fb = ForwardBatch(
+        input_ids=torch.cat([roots.long().unsqueeze(1), tokens.long()], 1).view(-1),
+        positions=(ctx + depths.long()).view(-1),
+        slots=(pages * bs + pos_in_seq % bs).view(-1),
+        block_tables=block_tables, context_lens=context_lens,
+        cu_q=(torch.arange(b + 1, device=dev, dtype=torch.int32) * t),
+        chunk_parents=chunk_parents.view(-1),
+        last=(torch.arange(b, device=dev) * t + t - 1))
+    hidden, _ = model(fb, cache, ops)
+    target_ids = model.greedy(hidden).view(b, t)                         # [B, T]
+    accepted, num, bonus = ops.accept_greedy(tokens, parents, target_ids, depth)
+    if depth:
+        _compact_fixed(cache, ops, accepted, num, ctx, block_tables)
+    return accepted, num, bonus
+
+
+def _compact_fixed(cache: PagedKVCache, ops: ModuleType, accepted: torch.Tensor,
+                   num: torch.Tensor, ctx: torch.Tensor, block_tables: torch.Tensor) -> None:
+    """common.accept.commit_plan at a fixed shape: entries past num_accepted become
+    moves of a slot onto itself (slots past the new kv_len, never read again), so
+    per sequence dst stays strictly increasing with src >= dst."""
+    b, d = accepted.shape
+    bs = cache.block_size
+    i = torch.arange(d, device=accepted.device).unsqueeze(0)
+    dst = ctx + 1 + i                                                    # [B, D]
+    src = torch.where(i < num.long().unsqueeze(1), ctx + 1 + accepted.long(), dst)
+    table = block_tables.long()
+
+    def flat(pos: torch.Tensor) -> torch.Tensor:
+        return (torch.gather(table, 1, pos // bs) * bs + pos % bs).view(-1)
+
+    ops.compact_kv(cache.k, cache.v, flat(src), flat(dst))
