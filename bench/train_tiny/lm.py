@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 
 import torch
@@ -66,7 +67,9 @@ def greedy_continue(model: Qwen3ForCausalLM, prompts: torch.Tensor, new_tokens: 
         if i + 1 == new_tokens:
             break
         if use_cache:
-            out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+            with warnings.catch_warnings():  # renamed `cache` after 5.17; both accept this
+                warnings.simplefilter("ignore", FutureWarning)
+                out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
         else:
             out = model(input_ids=seq, use_cache=False)
     return seq

@@ -7,7 +7,6 @@ import json
 import platform
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import tokenizers
@@ -38,7 +37,6 @@ def run(s: Settings) -> dict:
     t_start = time.perf_counter()
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
     device = torch.device(s.device)
     out = Path(s.out)
     out.mkdir(parents=True, exist_ok=True)

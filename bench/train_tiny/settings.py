@@ -73,7 +73,6 @@ def tiny_settings(base: Settings) -> Settings:
     """A CPU smoke configuration: same pipeline, toy sizes."""
     stage = StageSettings(steps=60, batch=8, lr=3e-3, warmup=5, budget_share=0.25)
     return replace(base, tiny=True, vocab_size=1024, draft_vocab_size=256, seq_len=64,
-                   max_position=512,
                    target=LMShape(hidden=64, layers=5, heads=2, kv_heads=1, head_dim=32,
                                   intermediate=128),
                    draft=LMShape(hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16,
