@@ -1,0 +1,127 @@
+"""End-to-end measurements through both real services on loopback (CLI processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from common import wire
+from common.client import AsyncTreespecClient
+from common.launch import ServiceProcess, child_env, cli_command
+from common.spec_types import SeqUpdate, SpecRequest
+from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+
+BENCH = Path(__file__).resolve().parent
+
+
+def start(name: str, argv: list[str], timeout: float = 600) -> ServiceProcess:
+    svc = ServiceProcess(name, argv, env=child_env())
+    svc.wait_listening(timeout)
+    return svc
+
+
+def verify_argv(model: str, device: str, draft: str | None, max_batch: int) -> list[str]:
+    argv = cli_command("verify", "--model", model, "--port", "0", "--device", device,
+                       "--max-batch", str(max_batch), "--num-blocks", "6000",
+                       "--step-deadline-ms", "2000")
+    return argv + (["--draft", draft] if draft else [])
+
+
+async def _batch(addr: str, prompts: list[list[int]], max_tokens: int,
+                 no_spec: bool) -> tuple[float, list[dict], list[list[int]]]:
+    async with AsyncTreespecClient(addr, timeout=600) as c:
+        await c.wait_ready(600)
+        # warm-up: captures this batch bucket's graphs
+        await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=8, ignore_eos=True,
+                                          no_speculation=no_spec) for p in prompts])
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=max_tokens,
+                                                 ignore_eos=True, no_speculation=no_spec)
+                                      for p in prompts])
+        dt = time.perf_counter() - t0
+    return dt, [o.stats for o in outs], [o.token_ids for o in outs]
+
+
+def throughput(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bool) -> dict:
+    dt, stats, ids = asyncio.run(_batch(addr, prompts, max_tokens, no_spec))
+    gen = sum(s["completion_tokens"] for s in stats)
+    steps = sum(s["steps"] for s in stats)
+    # the prefill's token is not a step's: leave it out of tokens per step
+    per_step = (gen - len(stats)) / max(1, steps)
+    return {"tok_s": gen / dt, "tokens_per_step": per_step, "seconds": dt,
+            "accepted": sum(s["accepted_tokens"] for s in stats),
+            "drafted": sum(s["draft_tokens"] for s in stats),
+            "fallback_steps": sum(s["fallback_steps"] for s in stats), "ids": ids}
+
+
+async def _hop_ms(draft_addr: str, prompt: list[int], iters: int = 50) -> float:
+    """Round trip of one Speculate message for one sequence to the draft (replay
+    instrument: next to no draft compute), i.e. the gRPC hop a step pays."""
+    async with grpc.aio.insecure_channel(draft_addr) as ch:
+        call = pb_grpc.DrafterStub(ch).Speculate()
+        times = []
+        for step in range(1, iters + 1):
+            new = prompt if step == 1 else [prompt[step % len(prompt)]]
+            req = SpecRequest(step, [SeqUpdate(seq_id=1, committed_len=len(prompt) + step - 1,
+                                               new_tokens=new, full=step == 1)])
+            t0 = time.perf_counter()
+            await call.write(wire.spec_request_to_pb(req))
+            await call.read()
+            times.append(time.perf_counter() - t0)
+        await call.done_writing()
+    return 1000 * sorted(times[5:])[len(times[5:]) // 2]
+
+
+def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
+            batches: list[int], corrupt: float, work: Path) -> dict:
+    res: dict = {}
+    # 1. plain decode through the verify service (no draft): the baseline and the
+    #    recorded greedy continuations the replay instrument proposes from.
+    v = start("verify", verify_argv(target, device, None, max(batches)))
+    try:
+        for b in batches:
+            r = throughput(v.addr, prompts[:b], max_tokens, no_spec=True)
+            res[f"plain_b{b}"] = {k: x for k, x in r.items() if k != "ids"}
+            print(f"plain b={b}: {r['tok_s']:.1f} tok/s", flush=True)
+            if b == max(batches):
+                records = [{"prompt": p, "continuation": ids}
+                           for p, ids in zip(prompts[:b], r["ids"])]
+    finally:
+        v.stop()
+    cont = work / "continuations.json"
+    cont.write_text(json.dumps(records))
+    # 2. replay instrument (chain of 4) through both services.
+    d = start("replay-draft", [sys.executable, str(BENCH / "replay.py"), "--continuations",
+                               str(cont), "--corrupt", str(corrupt), "--port", "0"])
+    v = start("verify", verify_argv(target, device, d.addr, max(batches)))
+    try:
+        for b in batches:
+            r = throughput(v.addr, prompts[:b], max_tokens, no_spec=False)
+            lossless = r.pop("ids") == [x["continuation"] for x in records[:b]]
+            res[f"replay_b{b}"] = dict(r, lossless=lossless)
+            print(f"replay b={b}: {r['tok_s']:.1f} tok/s, {r['tokens_per_step']:.2f} "
+                  f"tok/step, lossless={lossless}", flush=True)
+        res["hop_ms"] = asyncio.run(_hop_ms(d.addr, prompts[0]))
+    finally:
+        v.stop()
+        d.stop()
+    # 3. the draft-model proposer (random weights: acceptance is near zero, so this
+    #    measures what a draft costs, not what it buys).
+    d = start("model-draft", cli_command("draft", "--method", "model", "--model", draft,
+                                         "--envelope", "chain4", "--port", "0",
+                                         "--device", device))
+    v = start("verify", verify_argv(target, device, d.addr, max(batches)))
+    try:
+        r = throughput(v.addr, prompts[:1], max_tokens, no_spec=False)
+        r.pop("ids")
+        res["model_b1"] = r
+        print(f"draft-model b=1: {r['tok_s']:.1f} tok/s", flush=True)
+    finally:
+        v.stop()
+        d.stop()
+    return res

@@ -1,0 +1,148 @@
+"""One command, one table: treespec vs HF transformers vs the weight-read floor.
+
+    python bench/h200.py --out bench/results/h200.json
+
+Builds random-weight models of the Qwen3-8B shape (target) and Qwen3-0.6B shape
+(draft), writes them as HF checkpoints, and measures in one run: copy bandwidth
+and the floor, HF eager decode, our plain decode and verify latency by N, and
+end-to-end tok/s through both services (replay instrument and draft model) at
+several batch sizes, with the gRPC hop's share of a step. Every figure comes from
+this run. `--target-shape tiny --device cpu` smoke-tests the whole path here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench import shapes  # noqa: E402
+from bench.e2e_bench import run_e2e  # noqa: E402
+from bench.inproc_bench import (copy_bandwidth, hf_decode_tok_s, ours_from_hf,  # noqa: E402
+                                verify_latency_ms)
+
+shapes.SHAPES["tiny"] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                             tie_word_embeddings=True)
+
+
+def corrupt_for(tokens_per_step: float, depth: int) -> float:
+    """Per-token corruption rate whose expected tokens/step on a chain is the target:
+    E = 1 + sum_{k=1..depth} (1-p)^k (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        p = (lo + hi) / 2
+        e = 1 + sum((1 - p) ** k for k in range(1, depth + 1))
+        lo, hi = (p, hi) if e > tokens_per_step else (lo, p)
+    return (lo + hi) / 2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="treespec H200 benchmark")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--target-shape", default="qwen3-8b")
+    ap.add_argument("--draft-shape", default="qwen3-0.6b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--nodes", default="0,4,16,32,64")
+    ap.add_argument("--sections", default="floor,hf,verify,e2e")
+    ap.add_argument("--work", default="")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    batches = [int(x) for x in a.batches.split(",")]
+    sections = set(a.sections.split(","))
+    work = Path(a.work or tempfile.mkdtemp(prefix="treespec-bench-"))
+    out: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "target": a.target_shape,
+                 "draft": a.draft_shape, "ctx": a.ctx,
+                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                 "errors": {}}
+
+    def save() -> None:
+        Path(a.out).write_text(json.dumps(out, indent=1))
+
+    def section(name: str, fn) -> None:
+        if name not in sections:
+            return
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception:
+            out["errors"][name] = traceback.format_exc()
+            print(out["errors"][name], flush=True)
+        out.setdefault("section_s", {})[name] = time.perf_counter() - t0
+        save()
+
+    params = shapes.num_params(a.target_shape)
+    out["target_params"] = params
+
+    def floor() -> None:
+        bw = copy_bandwidth(dev)
+        out["copy_tb_s"] = bw / 1e12
+        out["floor_ms"] = 1000 * params * 2 / bw
+        out["floor_tok_s"] = bw / (params * 2)
+        print(f"copy {bw / 1e12:.2f} TB/s, floor {out['floor_ms']:.2f} ms/step", flush=True)
+
+    section("floor", floor)
+    hf = shapes.random_hf_model(a.target_shape, a.device)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 151936, (1, a.ctx), generator=g).to(dev)
+
+    def hf_sec() -> None:
+        out["hf_tok_s"] = hf_decode_tok_s(hf, prompt)
+        print(f"HF eager: {out['hf_tok_s']:.1f} tok/s", flush=True)
+
+    section("hf", hf_sec)
+    target_dir, draft_dir = work / a.target_shape, work / a.draft_shape
+    if "e2e" in sections:
+        out["save_s"] = shapes.save_checkpoint(hf, target_dir)
+        d = shapes.random_hf_model(a.draft_shape, a.device, seed=2)
+        shapes.save_checkpoint(d, draft_dir)
+        del d
+
+    def verify_sec() -> None:
+        ours = ours_from_hf(hf, dev)
+        lat = verify_latency_ms(ours, a.ctx, [1, 8], [int(x) for x in a.nodes.split(",")])
+        out["verify_ms"] = lat
+        out["plain_ms"] = lat["1"]["0"]
+        out["plain_tok_s"] = 1000 / lat["1"]["0"]
+        del ours
+
+    hf_state_needed = "verify" in sections
+    if hf_state_needed:
+        section("verify", verify_sec)
+    del hf
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+    def e2e() -> None:
+        gp = torch.Generator().manual_seed(7)
+        prompts = [torch.randint(0, 151936, (a.ctx,), generator=gp).tolist()
+                   for _ in range(max(batches))]
+        r = run_e2e(str(target_dir), str(draft_dir), a.device, prompts, a.max_tokens,
+                    batches, corrupt_for(4.0, 4), work)
+        out["e2e"] = r
+        out["oracle4_tok_s"] = r["replay_b1"]["tok_s"]
+        out["oracle4_tokens_per_step"] = r["replay_b1"]["tokens_per_step"]
+        step_ms = 1000 * r["replay_b1"]["tokens_per_step"] / r["replay_b1"]["tok_s"]
+        out["hop_share"] = r["hop_ms"] / step_ms
+        out["batch_tok_s"] = {str(b): {"plain": r[f"plain_b{b}"]["tok_s"],
+                                       "spec": r[f"replay_b{b}"]["tok_s"]} for b in batches}
+
+    section("e2e", e2e)
+    print(json.dumps({k: v for k, v in out.items() if k not in ("e2e", "errors")}, indent=1))
+    if out["errors"]:
+        print("sections with errors:", list(out["errors"]))
+
+
+if __name__ == "__main__":
+    main()

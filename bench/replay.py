@@ -1,0 +1,87 @@
+"""A benchmark INSTRUMENT, not a proposer for users: it proposes the target's own
+greedy continuation (recorded beforehand through the verify service with
+speculation off), corrupting each drafted token with probability ``corrupt`` so
+that the mean tokens per step is set by the experiment rather than by a draft
+model's quality. Chains only. Run as its own draft service:
+
+    python bench/replay.py --continuations FILE --corrupt 0.15 --port 0 [--depth 4]
+
+FILE is JSON: a list of {"prompt": [ids], "continuation": [ids]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.tree import TreeEnvelope  # noqa: E402
+from draft_service.proposer import padding_trees  # noqa: E402
+
+
+class ReplayProposer:
+    target_hidden_layers: tuple[int, ...] = ()
+    model = "replay-instrument"
+    name = "replay-instrument"
+
+    def __init__(self, records: list[dict], depth: int, corrupt: float, vocab: int) -> None:
+        self.refs = {tuple(r["prompt"]): r["continuation"] for r in records}
+        self.plen = sorted({len(r["prompt"]) for r in records})
+        self.depth, self.corrupt, self.vocab_size = depth, corrupt, vocab
+        self.seqs: dict[int, list[int]] = {}
+        self.rng = random.Random(0)
+
+    def update(self, seq_id, tokens, new_count, accepted_nodes, hidden) -> None:
+        self.seqs[seq_id] = tokens
+
+    def release(self, seq_id) -> None:
+        self.seqs.pop(seq_id, None)
+
+    def _continuation(self, tokens: list[int]) -> tuple[list[int], int] | None:
+        for n in self.plen:
+            ref = self.refs.get(tuple(tokens[:n]))
+            if ref is not None:
+                return ref, len(tokens) - n
+        return None
+
+    def propose(self, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, parents = padding_trees(len(seq_ids), self.depth)
+        for row, s in enumerate(seq_ids):
+            found = self._continuation(self.seqs.get(s, []))
+            if found is None:
+                continue
+            ref, done = found
+            draft = ref[done:done + self.depth]
+            for i, t in enumerate(draft):
+                if self.rng.random() < self.corrupt:
+                    t = (t + 1) % self.vocab_size
+                tokens[row, i] = t
+                parents[row, i] = i - 1
+        return tokens, parents
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--continuations", required=True)
+    ap.add_argument("--corrupt", type=float, default=0.15)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    a = ap.parse_args()
+    from draft_service import server
+    from draft_service.config import DraftConfig
+    env = TreeEnvelope(depth=a.depth, topk=1, num_nodes=a.depth, name=f"chain{a.depth}")
+    cfg = DraftConfig(method="ngram", envelope=env, host=a.host, port=a.port, device="cpu")
+    records = json.loads(Path(a.continuations).read_text())
+    server.run(cfg, proposer=ReplayProposer(records, a.depth, a.corrupt, a.vocab))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Qwen3 model shapes for the benchmarks, and random-weight HF checkpoints of them."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+SHAPES: dict[str, dict] = {
+    # published Qwen3 configs (hidden sizes, layers, heads); vocab 151936
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     tie_word_embeddings=False),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       tie_word_embeddings=True),
+}
+EOS = 151645
+
+
+def config(name: str) -> Qwen3Config:
+    return Qwen3Config(vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
+                       rms_norm_eps=1e-6, eos_token_id=EOS, **SHAPES[name])
+
+
+def random_hf_model(name: str, device: str = "cuda", seed: int = 0) -> Qwen3ForCausalLM:
+    """An HF Qwen3 of that shape with random bf16 weights (std 0.02), built on device."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config(name)).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    model.generation_config = GenerationConfig(eos_token_id=EOS)
+    return model.eval()
+
+
+def save_checkpoint(model: Qwen3ForCausalLM, path: Path) -> float:
+    """Write config.json + sharded safetensors; returns seconds taken."""
+    t0 = time.perf_counter()
+    model.save_pretrained(path, max_shard_size="4GB")
+    return time.perf_counter() - t0
+
+
+def num_params(name: str) -> int:
+    c = SHAPES[name]
+    h, i, hd, L = c["hidden_size"], c["intermediate_size"], c["head_dim"], c["num_hidden_layers"]
+    attn = h * hd * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"]) + 2 * hd
+    emb = 151936 * h * (1 if c["tie_word_embeddings"] else 2)
+    return L * (attn + 3 * h * i + 2 * h) + emb + h
+
+
+if __name__ == "__main__":
+    print(json.dumps({k: num_params(k) for k in SHAPES}))
