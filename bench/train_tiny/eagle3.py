@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from common.qwen3 import rms_norm, rope
+from kernels.reference import rms_norm, rope
 
 HEAD_TENSORS = (
     "embed_tokens.weight", "fc.weight", "midlayer.input_layernorm.weight",

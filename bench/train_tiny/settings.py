@@ -34,7 +34,7 @@ class Settings:
     minutes_budget: float = 6.0
     max_files: int | None = None        # keep a deterministic subset of training files
     vocab_size: int = 6144
-    draft_vocab_size: int = 2048
+    draft_vocab_size: int = 3072
     seq_len: int = 512
     max_position: int = 2048
     rope_theta: float = 10000.0
@@ -46,11 +46,11 @@ class Settings:
     ttt_steps: int = 4                  # EAGLE-3 unrolled steps (1 = plain next-token)
     target_stage: StageSettings = StageSettings(steps=3000, batch=32, lr=2e-3, warmup=100,
                                                 budget_share=0.42)
-    draft_stage: StageSettings = StageSettings(steps=1500, batch=32, lr=3e-3, warmup=50,
+    draft_stage: StageSettings = StageSettings(steps=3000, batch=32, lr=3e-3, warmup=50,
                                                budget_share=0.18)
-    eagle_stage: StageSettings = StageSettings(steps=1500, batch=32, lr=2e-3, warmup=50,
+    eagle_stage: StageSettings = StageSettings(steps=3000, batch=32, lr=2e-3, warmup=50,
                                                budget_share=0.18)
-    gen_seqs: int = 2048                # target-greedy sequences for draft/EAGLE distillation
+    gen_seqs: int = 4096                # target-greedy sequences for draft/EAGLE distillation
     gen_prompt_len: int = 128
     gen_len: int = 128
     gen_mix: float = 0.5                # share of distillation steps on generated sequences
