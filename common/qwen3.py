@@ -11,27 +11,12 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common.checkpoint import load_state_dict
 from common.forward_batch import ForwardBatch
 from common.kv_cache import PagedKVCache
 from common.model_config import Qwen3Spec
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos, sin [T, D/2] (HF's rotate-half convention)."""
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d].float(), x[..., d:].float()
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
 def rope_inv_freq(spec: Qwen3Spec, device: torch.device) -> torch.Tensor:
@@ -56,22 +41,21 @@ class Qwen3Layer(nn.Module):
         self.gate_up = nn.Linear(h, 2 * spec.intermediate_size, bias=False)
         self.down = nn.Linear(spec.intermediate_size, h, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                fb: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                ops: ModuleType) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
+                inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                ops: ModuleType) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (or the embeddings), residual: the stream
+        before it (None at layer 0). Returns (this layer's MLP output, residual)."""
         s, eps = self.spec, self.spec.rms_norm_eps
-        t = x.shape[0]
-        qkv = self.qkv(rms_norm(x, self.input_norm, eps))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rope(rms_norm(q.view(t, s.num_heads, s.head_dim), self.q_norm, eps), cos, sin)
-        k = rope(rms_norm(k.view(t, s.num_kv_heads, s.head_dim), self.k_norm, eps), cos, sin)
-        v = v.view(t, s.num_kv_heads, s.head_dim)
-        ops.write_kv(k_cache, v_cache, k, v, fb.slots)
+        h, residual = ops.add_rms_norm(x, residual, self.input_norm, eps)
+        q = ops.qk_norm_rope_write(self.qkv(h), self.q_norm, self.k_norm, fb.positions,
+                                   inv_freq, k_cache, v_cache, fb.slots, s.num_heads,
+                                   s.num_kv_heads, eps)
         attn = ops.paged_tree_attention(q, k_cache, v_cache, fb.block_tables, fb.context_lens,
                                         fb.cu_q, fb.chunk_parents, s.head_dim ** -0.5)
-        x = x + self.o_proj(attn.reshape(t, self.q_size))
-        gate, up = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        h, residual = ops.add_rms_norm(self.o_proj(attn.reshape(x.shape[0], self.q_size)),
+                                       residual, self.post_norm, eps)
+        return self.down(ops.silu_mul(self.gate_up(h))), residual
 
 
 class Qwen3Model(nn.Module):
@@ -145,17 +129,17 @@ class Qwen3Model(nn.Module):
         """Final-normed hidden states [T, hidden] and, for each layer index in
         capture_layers, the residual stream entering that layer [T, hidden]
         (index num_layers = the output of the last layer, before the final norm)."""
-        freqs = fb.positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
-        cos, sin = freqs.cos(), freqs.sin()
         x = self.embed(fb.input_ids)
+        residual: torch.Tensor | None = None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in capture_layers:
-                captured[i] = x
-            x = layer(x, cos, sin, fb, cache.k[i], cache.v[i], ops)
+                captured[i] = x if residual is None else x + residual
+            x, residual = layer(x, residual, fb, self.inv_freq, cache.k[i], cache.v[i], ops)
         if self.spec.num_layers in capture_layers:
-            captured[self.spec.num_layers] = x
-        return rms_norm(x, self.norm, self.spec.rms_norm_eps), [captured[i] for i in capture_layers]
+            captured[self.spec.num_layers] = x + residual
+        hidden, _ = ops.add_rms_norm(x, residual, self.norm, self.spec.rms_norm_eps)
+        return hidden, [captured[i] for i in capture_layers]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

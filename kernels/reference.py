@@ -147,3 +147,56 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor,
     for cache in (k_cache, v_cache):
         flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
         flat[:, dst.long()] = flat[:, src.long()]
+
+
+# ----------------------------------------------------------- per-layer fused ops
+# The model calls these through the backend; Triton fuses each into one kernel.
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H] normalised over its last dim in fp32, scaled, back in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); residual None means x alone. [T, H]."""
+    total = x if residual is None else x + residual
+    return rms_norm(total, weight, eps), total
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)           # [T, D/2]
+    return freqs.cos(), freqs.sin()
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by HF's rotate-half convention; cos, sin [T, D/2]."""
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d].float(), x[..., d:].float()
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def qk_norm_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                       positions: torch.Tensor, inv_freq: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                       num_heads: int, num_kv_heads: int, eps: float) -> torch.Tensor:
+    """Split qkv [T, (Hq + 2 Hkv) D]; RMS-norm q and k per head, rotate them, store
+    k and v at slots of one layer's pages. Returns q [T, Hq, D]."""
+    t = qkv.shape[0]
+    d = q_norm.shape[0]
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    q = rope(rms_norm(q.reshape(t, num_heads, d), q_norm, eps), cos, sin)
+    k = rope(rms_norm(k.reshape(t, num_kv_heads, d), k_norm, eps), cos, sin)
+    write_kv(k_cache, v_cache, k, v.reshape(t, num_kv_heads, d), slots)
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> silu(gate) * up, [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

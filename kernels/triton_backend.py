@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from kernels.triton_accept import accept_greedy
+from kernels.triton_fused import add_rms_norm, qk_norm_rope_write, rms_norm, silu_mul
 from kernels.triton_kv import compact_kv, write_kv
 from kernels.triton_tree_attention import paged_tree_attention as _paged_tree_attention
 
@@ -20,4 +21,5 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                                  chunk_parents, scale)
 
 
-__all__ = ["write_kv", "paged_tree_attention", "accept_greedy", "compact_kv"]
+__all__ = ["write_kv", "paged_tree_attention", "accept_greedy", "compact_kv",
+           "rms_norm", "add_rms_norm", "qk_norm_rope_write", "silu_mul"]

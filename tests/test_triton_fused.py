@@ -1,0 +1,110 @@
+"""The fused per-layer Triton kernels equal kernels/reference.py (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed")
+
+from kernels import reference as ref  # noqa: E402
+
+INTERPRET = os.environ["TRITON_INTERPRET"] not in ("0", "", "false", "False")
+DEV = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")
+
+
+def _load(name: str):
+    mod = sys.modules.get(name)
+    return importlib.reload(mod) if mod is not None else importlib.import_module(name)
+
+
+if importlib.util.find_spec("triton") is not None:
+    _load("kernels.triton_common")
+    fused = _load("kernels.triton_fused")
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm(dtype, with_residual):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 48, generator=g).to(dtype).to(DEV)
+    r = torch.randn(5, 48, generator=g).to(dtype).to(DEV) if with_residual else None
+    w = torch.randn(48, generator=g).to(dtype).to(DEV)
+    out, total = fused.add_rms_norm(x, r, w, 1e-6)
+    want, want_total = ref.add_rms_norm(x, r, w, 1e-6)
+    close(out, want, dtype)
+    close(total, want_total, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_write(dtype):
+    g = torch.Generator().manual_seed(1)
+    t, hq, hkv, d, nb, bs = 4, 4, 2, 16, 6, 4
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEV)
+    qn, kn = (torch.randn(d, generator=g).to(dtype).to(DEV) for _ in range(2))
+    pos = torch.tensor([0, 7, 3, 100], device=DEV)
+    inv = (1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)).float().to(DEV)
+    slots = torch.tensor([5, 0, 17, 9], device=DEV)
+    caches = [torch.zeros(nb, bs, hkv, d, dtype=dtype, device=DEV) for _ in range(4)]
+    q = fused.qk_norm_rope_write(qkv, qn, kn, pos, inv, caches[0], caches[1], slots, hq, hkv, 1e-6)
+    q_ref = ref.qk_norm_rope_write(qkv, qn, kn, pos, inv, caches[2], caches[3], slots, hq, hkv,
+                                   1e-6)
+    close(q, q_ref, dtype)
+    close(caches[0], caches[2], dtype)
+    close(caches[1], caches[3], dtype)
+    assert caches[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype):
+    x = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEV)
+    close(fused.silu_mul(x), ref.silu_mul(x), dtype)
+
+
+def test_launchers_refuse_bad_shapes():
+    x = torch.randn(3, 8, device=DEV)
+    with pytest.raises(ValueError, match="weight"):
+        fused.add_rms_norm(x, None, torch.ones(7, device=DEV), 1e-6)
+    with pytest.raises(ValueError, match=r"\[T, 2I\]"):
+        fused.silu_mul(torch.randn(3, 7, device=DEV))
+
+
+def test_whole_model_on_triton_kernels_equals_reference(target_dir):
+    """Every kernel of the backend at once: a prefill and a tree verify forward."""
+    from common.forward_batch import Chunk, build_forward_batch, chain_chunk
+    from common.kv_cache import SeqPages
+    from common.qwen3 import Qwen3Model
+    from common.tree import verify_chunk_layout
+
+    for name in ("kernels.triton_kv", "kernels.triton_accept", "kernels.triton_tree_attention"):
+        _load(name)
+    backend = _load("kernels.triton_backend")
+    model = Qwen3Model.from_pretrained(target_dir, device=DEV)
+    outs = []
+    for ops in (ref, backend):
+        cache = model.new_cache(16, 4)
+        seq = SeqPages()
+        prompt = [1, 5, 9, 13, 2, 7, 1, 5]
+        fb = build_forward_batch([chain_chunk(seq, prompt)], cache)
+        prefill = model.logits(model(fb, cache, ops)[0])
+        seq.kv_len = len(prompt)
+        parents = torch.tensor([[-1, -1, 0, 2]], dtype=torch.int32)
+        cp, dp = verify_chunk_layout(parents)
+        fb = build_forward_batch([Chunk(seq, [3, 4, 6, 8, 9], cp[0].tolist(), dp[0].tolist())],
+                                 cache)
+        outs.append((prefill, model.logits(model(fb, cache, ops)[0])))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
