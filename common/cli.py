@@ -202,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "demo":
             from common.demo import run_demo
             return run_demo(args)
-    except ConfigError as e:
+    except (ConfigError, NotImplementedError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except TreespecError as e:
