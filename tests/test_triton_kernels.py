@@ -206,7 +206,7 @@ def test_attention_long_tree_walks_several_windows():
 def test_backend_default_tiling():
     g = torch.Generator().manual_seed(3)
     chunks = [as_chunk(random_tree(12, g)), as_chunk(random_tree(12, g, pad=4))]
-    nb, table, ctx, cu, par = build_batch(chunks, [30, 50], 16, 2, g)
+    nb, table, ctx, cu, par = build_batch(chunks, [9, 20], 16, 2, g)
     kc, vc = paged(nb, 16, 2, 32)
     q = torch.randn(int(cu[-1]), 8, 32, generator=g).to(DEV)
     out = tb.paged_tree_attention(q, kc, vc, table, ctx, cu, par, 0.2)
