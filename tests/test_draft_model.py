@@ -14,6 +14,7 @@ from draft_service.config import DraftConfig
 from draft_service.model_proposer import ModelProposer
 from draft_service.tree_build import Expansion
 from kernels import reference
+from kernels.dispatch import KERNEL_NAMES
 
 VOCAB = 96
 PROMPTS = [[1, 5, 9, 13, 2, 7, 7, 30, 31], [3, 4, 5], [60]]
@@ -129,9 +130,8 @@ def test_compacted_kv_proposes_exactly_what_a_recompute_does(draft_dir, name):
         reference.compact_kv(k, v, src, dst)
 
     inc = make(draft_dir, env, num_blocks=128)
-    inc.ops = SimpleNamespace(**{n: getattr(reference, n) for n in
-                                 ("write_kv", "paged_tree_attention", "accept_greedy")},
-                              compact_kv=counting_compact)
+    inc.ops = SimpleNamespace(**{n: getattr(reference, n) for n in KERNEL_NAMES
+                                 if n != "compact_kv"}, compact_kv=counting_compact)
     fresh = make(draft_dir, env, num_blocks=128)
     rng = random.Random(3)
     seqs = {s: list(p) for s, p in enumerate(PROMPTS)}
