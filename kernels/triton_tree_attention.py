@@ -18,7 +18,7 @@ Design
 * Context keys are all visible (except to padding rows). Chunk keys use a mask built
   in registers from chunk_parents: if the chunk's prefix up to the tile's last
   query is a chain (prefill, decode, chain speculation) the mask is causal;
-  otherwise, per BLOCK_N-key window, each query row's ancestors inside the window
+  otherwise, per window of CHUNK_N <= 64 keys, each query row's ancestors inside it
   become an int64 bitmask by walking parents up (depth steps, parents stay in L1),
   and key j is visible to row i iff j == i or bit (j - window) is set.
 * Online softmax in base 2 with fp32 statistics and accumulator; scores for fp32
@@ -91,6 +91,7 @@ def _tree_attention_kernel(
         num_seqs, total_q, num_q_heads, qk_scale, split_len,
         s_qt, s_qh, s_ks, s_kh, s_vs, s_vh, s_bt, s_ot, s_oh,
         GROUP: tl.constexpr, BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CHUNK_N: tl.constexpr,
         D: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr, NUM_SPLITS: tl.constexpr,
         PREC: tl.constexpr, DOT_F32: tl.constexpr):
     pid = tl.program_id(0)
@@ -146,13 +147,13 @@ def _tree_attention_kernel(
     if split == NUM_SPLITS - 1:
         t_end = tl.minimum(t0 + BT, q_len)
         not_chain = q_len * 0
-        for c0 in range(0, t_end, BLOCK_N):
-            c = c0 + tl.arange(0, BLOCK_N)
+        for c0 in range(0, t_end, CHUNK_N):
+            c = c0 + tl.arange(0, CHUNK_N)
             pc = tl.load(par_chunk + c, mask=c < t_end, other=0)
             not_chain += vsum(((c < t_end) & (pc != c - 1)).to(tl.int32), 0)
         k_end = tl.where(not_chain == 0, t_end, q_len)
-        for n0 in range(0, k_end, BLOCK_N):
-            jc = n0 + tl.arange(0, BLOCK_N)
+        for n0 in range(0, k_end, CHUNK_N):
+            jc = n0 + tl.arange(0, CHUNK_N)
             j_ok = jc < k_end
             pos = ctx + jc
             page = tl.load(bt_row + pos // BS, mask=j_ok, other=0).to(tl.int64)
@@ -162,7 +163,7 @@ def _tree_attention_kernel(
             if not_chain == 0:
                 visible = jc[None, :] <= tok[:, None]
             else:
-                bits = _ancestor_bits(par_chunk, row_parent, n0, q_len, BLOCK_N)
+                bits = _ancestor_bits(par_chunk, row_parent, n0, q_len, CHUNK_N)
                 shift = (jc - n0).to(tl.int64)
                 visible = ((bits[:, None] >> shift[None, :]) & 1) != 0
                 visible = visible | (jc[None, :] == tok[:, None])
@@ -292,7 +293,7 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         nseq, total_q, hq, scale * LOG2E, split_len,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BT=bt, BLOCK_M=block_m, BLOCK_N=block_n, D=d, BS=bs,
+        GROUP=group, BT=bt, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK_N=min(block_n, 64), D=d, BS=bs,
         BLOCK_B=max(16, next_pow2(nseq)), NUM_SPLITS=splits, PREC=prec,
         DOT_F32=interpreted(_tree_attention_kernel) and q.dtype == torch.bfloat16,
         num_warps=warps)

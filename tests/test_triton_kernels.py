@@ -190,15 +190,16 @@ def test_attention_random_vs_reference(dtype, hq, hkv, d, bs, splits, block_n):
     torch.testing.assert_close(out.float(), want.float(), **tol(dtype))
 
 
-def test_attention_long_tree_walks_several_windows():
-    """A 70-query non-chain chunk crosses the 16-key bitmask windows."""
+@pytest.mark.parametrize("block_n", [16, 128])
+def test_attention_long_tree_walks_several_windows(block_n):
+    """A 70-query non-chain chunk crosses several bitmask windows (16 or 64 keys)."""
     g = torch.Generator().manual_seed(7)
     chunks = [as_chunk(random_tree(69, g, pad=3)), list(range(-1, 20)) + [-2, 20]]
     nb, table, ctx, cu, par = build_batch(chunks, [5, 3], 4, 0, g)
     kc, vc = paged(nb, 4, 1, 16)
     q = torch.randn(int(cu[-1]), 2, 16, generator=g).to(DEV)
     out = attn_mod.paged_tree_attention(q, kc, vc, table, ctx, cu, par, 0.3,
-                                        block_m=32, block_n=16)
+                                        block_m=32, block_n=block_n)
     want = ref.paged_tree_attention(q, kc, vc, table, ctx, cu, par, 0.3)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
