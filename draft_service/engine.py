@@ -83,7 +83,7 @@ class DraftEngine:
     @property
     def info(self) -> DrafterInfo:
         p = self.proposer
-        return DrafterInfo(envelope=self.env, vocab_size=p.vocab_size, proposer=getattr(p, "name", self.cfg.method),
+        return DrafterInfo(envelope=self.env, vocab_size=p.vocab_size, proposer=p.name,
                            target_hidden_layers=tuple(p.target_hidden_layers), model=p.model)
 
     @property

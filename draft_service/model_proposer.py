@@ -55,15 +55,17 @@ class _Seq:
 
 
 class ModelProposer:
+    name = "model"
+
     def __init__(self, model: Qwen3Model, env: TreeEnvelope, ops: ModuleType,
-                 num_blocks: int, block_size: int, name: str = "") -> None:
+                 num_blocks: int, block_size: int, model_name: str = "") -> None:
         if env.topk > model.spec.vocab_size:
             raise ValueError(f"topk {env.topk} exceeds the draft vocabulary")
         self.net, self.env, self.ops = model, env, ops
         self.cache: PagedKVCache = model.new_cache(num_blocks, block_size)
         self.vocab_size = model.spec.vocab_size
         self.target_hidden_layers: tuple[int, ...] = ()
-        self.model = name
+        self.model = model_name
         self._seqs: OrderedDict[int, _Seq] = OrderedDict()
 
     @classmethod
@@ -72,7 +74,7 @@ class ModelProposer:
         model = Qwen3Model.from_pretrained(resolve_model(cfg.model), pick_dtype(cfg.dtype, device),
                                            device)
         return cls(model, cfg.envelope, select(device, cfg.kernels), cfg.num_blocks,
-                   cfg.block_size, name=cfg.model)
+                   cfg.block_size, model_name=cfg.model)
 
     # ------------------------------------------------------------ state
     def update(self, seq_id: int, tokens: list[int], new_count: int,

@@ -61,6 +61,7 @@ def merge_paths(paths: Iterable[list[int]], env: TreeEnvelope) -> tuple[list[int
 class NgramProposer:
     """The ``ngram`` method: one NgramIndex per sequence, no model, any vocabulary."""
 
+    name = "ngram"
     vocab_size = 0
     target_hidden_layers: tuple[int, ...] = ()
     model = ""

@@ -33,6 +33,7 @@ from common.tree import PAD
 
 
 class Proposer(Protocol):
+    name: str                                # reported as DrafterInfo.proposer
     vocab_size: int                          # 0 = copies tokens, fits any vocabulary
     target_hidden_layers: tuple[int, ...]    # target layers it needs hidden states of
     model: str                               # checkpoint it drafts with, "" if none

@@ -26,6 +26,7 @@ def full(seq_id: int, tokens: list[int]) -> SeqUpdate:
 class Spy:
     """A proposer that records calls and proposes token = seq_id at node 0."""
 
+    name = "spy"
     vocab_size = 100
     target_hidden_layers = (1, 2)
     model = "spy"
@@ -61,6 +62,7 @@ def test_info():
     assert (info.envelope, info.proposer, info.vocab_size, info.model) == (ENV, "ngram", 0, "")
     spy_info = spy_engine()[0].info
     assert spy_info.target_hidden_layers == (1, 2) and spy_info.model == "spy"
+    assert spy_info.proposer == "spy"
 
 
 def test_rows_follow_request_order_with_fixed_shapes():
@@ -72,7 +74,8 @@ def test_rows_follow_request_order_with_fixed_shapes():
     assert validate_tree(tb.tokens, tb.parents, N, 10) is None
     assert tb.tokens[0, 0] == 2 and tb.tokens[1, 0] == 4
     tb = eng.step(SpecRequest(step_id=6, seqs=[
-        SeqUpdate(9, committed_len=3, new_tokens=[4]), SeqUpdate(2, committed_len=5, new_tokens=[2, 1])]))
+        SeqUpdate(9, committed_len=3, new_tokens=[4]),
+        SeqUpdate(2, committed_len=5, new_tokens=[2, 1])]))
     assert tb.seq_ids == [9, 2] and tb.resync == []
     empty = eng.step(SpecRequest(step_id=7, seqs=[]))
     assert empty.tokens.shape == (0, N)
@@ -170,7 +173,8 @@ def test_model_engine_resyncs_and_frees_pages(draft_dir):
     assert validate_tree(tb.tokens, tb.parents, N, 96) is None and (tb.parents != PAD).all()
     node0 = int(tb.tokens[0, 0])
     tb = eng.step(SpecRequest(step_id=2, seqs=[
-        SeqUpdate(1, committed_len=5, new_tokens=[node0, 7], accepted_nodes=[0], accepted_step_id=1),
+        SeqUpdate(1, committed_len=5, new_tokens=[node0, 7], accepted_nodes=[0],
+                  accepted_step_id=1),
         SeqUpdate(2, committed_len=7, new_tokens=[6])]))                       # wrong length
     assert tb.resync == [2] and (tb.parents[1] == PAD).all() and (tb.parents[0] != PAD).all()
     with pytest.raises(InvalidRequest, match="vocabulary"):
