@@ -44,7 +44,7 @@ def encode(t: torch.Tensor, staging: Staging | None = None) -> pb.Tensor:
     if t.dtype not in NAMES:
         raise CodecError(f"dtype {t.dtype} cannot travel")
     host = (staging or Staging()).host_copy(t.detach())
-    raw = host.contiguous().view(torch.uint8).numpy().tobytes() if host.numel() else b""
+    raw = host.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if host.numel() else b""
     return pb.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), data=raw)
 
 

@@ -31,9 +31,6 @@ def test_round_trip_keeps_values_shape_and_dtype(dtype, shape):
     assert torch.equal(out, src)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="codec.encode views a 0-dim tensor as uint8, which torch refuses; "
-                          "no message carries a scalar today")
 def test_zero_dim_tensor_round_trip():
     src = torch.tensor(3.5)
     out = codec.decode(codec.encode(src))
