@@ -59,7 +59,7 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
 
 
 def _wrap(behavior: Callable, method: str) -> Callable:
-    """The same handler behaviour, with exceptions mapped to status codes."""
+    """The same async handler behaviour, with exceptions mapped to status codes."""
     if inspect.isasyncgenfunction(behavior):
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
             try:
@@ -73,8 +73,7 @@ def _wrap(behavior: Callable, method: str) -> Callable:
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            result = behavior(request, context)
-            return await result if inspect.isawaitable(result) else result
+            return await behavior(request, context)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -100,6 +99,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         kind = (handler.request_streaming, handler.response_streaming)
         behavior = {(False, False): handler.unary_unary, (False, True): handler.unary_stream,
                     (True, False): handler.stream_unary, (True, True): handler.stream_stream}[kind]
+        if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+            return handler      # a sync handler runs in grpc's thread pool, as it is
         return self._factories[kind](_wrap(behavior, details.method),
                                      request_deserializer=handler.request_deserializer,
                                      response_serializer=handler.response_serializer)

@@ -92,6 +92,9 @@ def test_health_and_reflection():
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await h.Check(health_pb2.HealthCheckRequest(service="nope.Service"))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = h.Watch(health_pb2.HealthCheckRequest(service=DRAFTER))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
 
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
 
