@@ -29,6 +29,7 @@ class SpecRequest:
     step_id: int
     seqs: list[SeqUpdate]
     released: list[int] = field(default_factory=list)
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C carrier; {} = untraced
 
 
 @dataclass

@@ -40,7 +40,8 @@ def spec_request_to_pb(r: SpecRequest, staging: codec.Staging | None = None) -> 
         if u.hidden is not None:
             m.hidden_states.CopyFrom(codec.encode(u.hidden, staging))
         seqs.append(m)
-    return pb.SpeculateRequest(step_id=r.step_id, sequences=seqs, released=r.released)
+    return pb.SpeculateRequest(step_id=r.step_id, sequences=seqs, released=r.released,
+                               trace_context=r.trace_context)
 
 
 def spec_request_from_pb(m: pb.SpeculateRequest, device: torch.device | str = "cpu") -> SpecRequest:
@@ -51,7 +52,8 @@ def spec_request_from_pb(m: pb.SpeculateRequest, device: torch.device | str = "c
                       hidden=codec.decode(u.hidden_states, device)
                       if u.HasField("hidden_states") else None)
             for u in m.sequences]
-    return SpecRequest(step_id=m.step_id, seqs=seqs, released=list(m.released))
+    return SpecRequest(step_id=m.step_id, seqs=seqs, released=list(m.released),
+                       trace_context=dict(m.trace_context))
 
 
 def tree_batch_to_pb(t: TreeBatch, staging: codec.Staging | None = None) -> pb.Proposal:

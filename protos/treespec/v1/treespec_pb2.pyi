@@ -161,14 +161,23 @@ class SequenceUpdate(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., full: _Optional[bool] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., accepted_step_id: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
-    __slots__ = ("step_id", "sequences", "released")
+    __slots__ = ("step_id", "sequences", "released", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceUpdate]
     released: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("step_id", "seq_ids", "tokens", "parents", "resync")
