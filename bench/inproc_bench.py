@@ -96,7 +96,7 @@ def verify_latency_ms(model: Qwen3Model, ctx: int, batches: list[int], nodes: li
         pages = [SeqPages() for _ in range(b)]
         prompts = [torch.randint(0, model.spec.vocab_size, (ctx,), generator=g).tolist()
                    for _ in range(b)]
-        roots = verifier.prefill(pages, prompts)
+        roots, _ = verifier.prefill(pages, prompts)
         for n in nodes:
             depth = min(n, 8) if n else 0
             parents = random_trees(b, n, depth, g) if n else None

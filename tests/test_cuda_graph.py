@@ -39,15 +39,15 @@ def test_fixed_step_equals_ragged_step(target_dir):
     model = Qwen3Model.from_pretrained(target_dir)
     prompts = [[1, 5, 9, 13, 2, 7], [3, 4, 5], [8, 8, 8, 8, 8, 8, 8, 8, 8]]
     probe = Verifier(model, model.new_cache(64, 4), ops)
-    firsts = probe.prefill([SeqPages() for _ in prompts], prompts)
-    seconds = probe.prefill([SeqPages() for _ in prompts],
+    firsts, _ = probe.prefill([SeqPages() for _ in prompts], prompts)
+    seconds, _ = probe.prefill([SeqPages() for _ in prompts],
                             [p + [f] for p, f in zip(prompts, firsts)])
     results = []
     for cls in (Verifier, GraphVerifier):
         cache = model.new_cache(64, 4)
         v = cls(model, cache, ops) if cls is Verifier else cls(model, cache, ops, capture=False)
         pages = [SeqPages() for _ in prompts]
-        assert v.prefill(pages, prompts) == firsts
+        assert v.prefill(pages, prompts)[0] == firsts
         g = torch.Generator().manual_seed(3)
         tokens = torch.randint(0, 96, (3, 6), generator=g, dtype=torch.int32)
         tokens[:, 0] = torch.tensor(seconds)       # the target's next token: accepted

@@ -22,12 +22,14 @@ from common.tree import verify_chunk_layout
 
 
 def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: int,
-               roots: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
-               context_lens: torch.Tensor, block_tables: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               capture: tuple[int, ...], roots: torch.Tensor, tokens: torch.Tensor,
+               parents: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor
+               ) -> tuple[torch.Tensor, ...]:
     """roots [B] int64, tokens/parents [B, N] int32, context_lens [B] int32,
     block_tables [B, P] int32 -> accepted [B, depth] int32 (padded -1),
-    num_accepted [B] int32, bonus [B] int64. Advancing kv_len is the caller's."""
+    num_accepted [B] int32, bonus [B] int64 and, when capture names target layers,
+    their hidden states at [root, accepted path] [B, depth + 1, C] (rows past the
+    path are junk). Advancing kv_len is the caller's."""
     b, n = tokens.shape
     t = n + 1
     dev = tokens.device
@@ -45,12 +47,17 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
         cu_q=(torch.arange(b + 1, device=dev, dtype=torch.int32) * t),
         chunk_parents=chunk_parents.view(-1),
         last=(torch.arange(b, device=dev) * t + t - 1))
-    hidden, _ = model(fb, cache, ops)
+    hidden, captured = model(fb, cache, ops, capture)
     target_ids = model.greedy(hidden).view(b, t)                         # [B, T]
     accepted, num, bonus = ops.accept_greedy(tokens, parents, target_ids, depth)
     if depth:
         _compact_fixed(cache, ops, accepted, num, ctx, block_tables)
-    return accepted, num, bonus
+    if not capture:
+        return accepted, num, bonus
+    feats = torch.cat(captured, -1).view(b, t, -1)                       # [B, T, C]
+    rows = torch.cat([torch.zeros_like(accepted[:, :1]), accepted.clamp(min=0) + 1], 1)
+    path = torch.gather(feats, 1, rows.long().unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+    return accepted, num, bonus, path
 
 
 def _compact_fixed(cache: PagedKVCache, ops: ModuleType, accepted: torch.Tensor,

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from common.codec import Staging
 from common.errors import InvalidRequest, Unavailable
 from common.qwen3 import Qwen3Model
 from common.spec_types import SeqUpdate, SpecRequest, TreeBatch
@@ -25,6 +27,8 @@ from common.tree import validate_tree
 from kernels.dispatch import select
 from verify_service.draft_link import DraftLink, Fallback
 from verify_service.graph_verifier import GraphVerifier
+from verify_service.observer import EngineObserver, NullObserver, StepRecord
+from verify_service.hidden_states import hidden_rows_for
 from verify_service.request import GenRequest
 from verify_service.sequence import Sequence
 from verify_service.verifier import Verifier
@@ -36,7 +40,7 @@ class VerifyEngine:
     def __init__(self, model: Qwen3Model, num_blocks: int, block_size: int, max_batch: int,
                  max_model_len: int, prefill_tokens: int, step_deadline_s: float,
                  link: DraftLink | None = None, kernels: str = "auto",
-                 step_mode: str = "auto") -> None:
+                 step_mode: str = "auto", observer: EngineObserver | None = None) -> None:
         self.model = model
         self.spec = model.spec
         self.cache = model.new_cache(num_blocks, block_size)
@@ -49,6 +53,7 @@ class VerifyEngine:
         self.prefill_tokens = prefill_tokens
         self.step_deadline_s = step_deadline_s
         self.link = link
+        self.observer: EngineObserver = observer or NullObserver()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.released: list[int] = []
@@ -56,6 +61,7 @@ class VerifyEngine:
         self._step_id = 0
         self._epoch = 0
         self._wake = asyncio.Event()
+        self._staging = Staging()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="treespec-verify")
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -77,6 +83,7 @@ class VerifyEngine:
             stop |= set(self.spec.eos_token_ids)
         seq = Sequence(req, frozenset(stop), self.max_model_len)
         self.waiting.append(seq)
+        self.observer.submitted(seq)
         self._wake.set()
         return seq
 
@@ -134,6 +141,7 @@ class VerifyEngine:
                 pass
         self._reap(force=True)
         self._pool.shutdown(wait=True)
+        self.observer.close()
 
     async def _loop(self) -> None:
         while True:
@@ -143,6 +151,7 @@ class VerifyEngine:
                 await self._wake.wait()
                 continue
             try:
+                self._follow_link()
                 await self._admit()
                 if self.running:
                     await self._step()
@@ -166,6 +175,7 @@ class VerifyEngine:
                 continue
             if seq.finish is None:
                 seq.finish = "cancelled"
+                self.observer.finished(seq)
                 seq.emit([])
             self.cache.release(seq.pages)
             if seq.draft_synced:
@@ -174,6 +184,7 @@ class VerifyEngine:
         for seq in [s for s in self.waiting if s.cancelled or force]:
             self.waiting.remove(seq)
             seq.finish = "cancelled"
+            self.observer.finished(seq)
             seq.emit([])
 
     async def _admit(self) -> None:
@@ -192,30 +203,46 @@ class VerifyEngine:
             batch.append(seq)
         if not batch:
             return
-        firsts = await self._compute(self.verifier.prefill, [s.pages for s in batch],
-                                     [list(s.tokens) for s in batch])
-        for seq, tok in zip(batch, firsts):
+        t0 = time.time_ns()
+        firsts, feats = await self._compute(self.verifier.prefill, [s.pages for s in batch],
+                                            [list(s.tokens) for s in batch])
+        for i, (seq, tok) in enumerate(zip(batch, firsts)):
+            seq.hidden = feats[i] if feats is not None else None
             kept = seq.commit([tok])
             seq.unsent = []          # the draft will hear the whole list at first sync
             self.running.append(seq)
             seq.emit(kept)
+        self.observer.prefilled(batch, t0, time.time_ns())
+        for seq in batch:
+            if seq.finish is not None:
+                self.observer.finished(seq)
+
+    def _follow_link(self) -> None:
+        """On each new draft connection: resync every sequence and capture the target
+        layers that drafter reads (before any prefill it will need them from)."""
+        if self.link is None or not self.link.ready or self.link.epoch == self._epoch:
+            return
+        self._epoch = self.link.epoch
+        self.released = []
+        self.verifier.capture_layers = self.link.info.target_hidden_layers
+        for s in self.running:
+            s.draft_synced = False
 
     async def _propose(self, seqs: list[Sequence]) -> tuple[TreeBatch | None, Fallback | None]:
         if self.link is None:
             return None, "no_draft"
         if not self.link.ready:
             return None, "disconnected"
-        if self.link.epoch != self._epoch:
-            self._epoch = self.link.epoch
-            self.released = []
-            for s in self.running:
-                s.draft_synced = False
         self._step_id += 1
         updates = [SeqUpdate(seq_id=s.seq_id, committed_len=len(s.tokens),
                              new_tokens=list(s.unsent) if s.draft_synced else list(s.tokens),
                              full=not s.draft_synced, accepted_nodes=s.accepted_nodes,
                              accepted_step_id=s.accepted_step) for s in seqs]
-        req = SpecRequest(self._step_id, updates, self.released)
+        if self.verifier.capture_layers:
+            for u, rows in zip(updates, hidden_rows_for(seqs, self._staging)):
+                u.hidden = rows
+        req = SpecRequest(self._step_id, updates, self.released,
+                          trace_context=self.observer.draft_context())
         got = await self.link.propose(req, self.step_deadline_s)
         if isinstance(got, str):
             if got != "busy":
@@ -235,6 +262,24 @@ class VerifyEngine:
                 s.draft_synced = False
         return got, None
 
+    def _observe_step(self, batch: int, rows: list[tuple[Sequence, int, int, int, int]],
+                      tree: TreeBatch | None, reason: Fallback | None, asked: bool,
+                      t0: int, t1: int, t2: int) -> None:
+        """Tell the observer what the step did; rows: (seq, drafted, depth, accepted, kept)."""
+        seqs = [r[0] for r in rows]
+        self.observer.step_finished(StepRecord(
+            step_id=self._step_id if asked else 0, batch=batch,
+            seq_ids=[s.seq_id for s in seqs], request_ids=[s.req.request_id for s in seqs],
+            drafted=[r[1] for r in rows], depth=[r[2] for r in rows],
+            accepted=[r[3] for r in rows], committed=[r[4] for r in rows],
+            fallback=[(reason or "empty_tree") if s.speculative and d == 0 else None
+                      for s, d, *_ in rows],
+            reason=reason, envelope=self.link.info.envelope if tree is not None else None,
+            t_start=t0, t_drafted=t1, t_verified=t2, t_end=time.time_ns()))
+        for s in seqs:
+            if s.finish is not None:
+                self.observer.finished(s)
+
     def _mark_sent(self, seqs: list[Sequence]) -> None:
         self.released = []
         for s in seqs:
@@ -245,11 +290,17 @@ class VerifyEngine:
 
     async def _step(self) -> None:
         seqs = list(self.running)
-        spec_seqs = [s for s in seqs if s.speculative]
+        t0 = time.time_ns()
+        self.observer.step_started(seqs)
+        # a drafter that reads hidden states can only serve sequences whose history
+        # was captured (those admitted before it connected decode plainly)
+        needs = bool(self.verifier.capture_layers)
+        spec_seqs = [s for s in seqs if s.speculative and (s.hidden is not None or not needs)]
         tree: TreeBatch | None = None
         reason: Fallback | None = None
         if spec_seqs:
             tree, reason = await self._propose(spec_seqs)
+        t1 = time.time_ns()
         tokens = parents = None
         depth = 0
         if tree is not None:
@@ -263,6 +314,8 @@ class VerifyEngine:
             depth = self.link.info.envelope.depth
         res = await self._compute(self.verifier.step, [s.pages for s in seqs],
                                   [s.tokens[-1] for s in seqs], tokens, parents, depth)
+        t2 = time.time_ns()
+        rows: list[tuple[Sequence, int, int, int, int]] = []
         for i, s in enumerate(seqs):
             if s.cancelled:
                 continue
@@ -277,4 +330,12 @@ class VerifyEngine:
                 s.stats.fallback_steps += 1
                 self.fallbacks[reason or "empty_tree"] += 1
             s.accepted_nodes = path
+            rows.append((s, offered, len(path), min(len(path), len(kept)), len(kept)))
+            if res.hidden is not None and s.hidden is not None:
+                s.hidden = torch.cat([s.hidden, res.hidden[i]])
+            elif res.hidden is None:
+                s.hidden = None
             s.emit(kept)
+        asked = bool(spec_seqs) and reason not in ("no_draft", "disconnected")
+        self._observe_step(len(seqs), rows, tree, reason, asked, t0, t1, t2)
+

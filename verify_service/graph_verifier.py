@@ -37,11 +37,11 @@ class GraphVerifier(Verifier):
         super().__init__(model, cache, ops)
         self.capture = capture
         self.scratch = cache.blocks.allocate(1)[0]      # padding rows write here
-        self.graphs: dict[tuple[int, int, int], StaticGraph] = {}
+        self.graphs: dict[tuple, StaticGraph] = {}
         self._pool: object | None = None
 
     def _graph(self, b: int, n: int, p: int, depth: int) -> StaticGraph:
-        key = (b, n, p)
+        key = (b, n, p, self.capture_layers)
         g = self.graphs.get(key)
         if g is None:
             dev = self.cache.device
@@ -51,9 +51,10 @@ class GraphVerifier(Verifier):
                        torch.zeros(b, dtype=torch.int32, device=dev),
                        torch.full((b, p), self.scratch, dtype=torch.int32, device=dev)]
             d = depth if n else 0
+            cap = self.capture_layers
 
             def fn(*a: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                return fixed_step(self.model, self.cache, self.ops, d, *a)
+                return fixed_step(self.model, self.cache, self.ops, d, cap, *a)
 
             with torch.inference_mode():
                 g = StaticGraph(fn, example, capture=self.capture, pool=self._pool)
@@ -85,7 +86,7 @@ class GraphVerifier(Verifier):
         dev = self.cache.device
         args = [x.pin_memory() if dev.type == "cuda" else x
                 for x in (host_roots, host_tokens, host_parents, ctx, table)]
-        accepted, num, bonus = self._graph(b, n, p, depth)(*args)
+        accepted, num, bonus, *path = self._graph(b, n, p, depth)(*args)
         out = torch.cat([accepted.long().view(-1), num.long(), bonus.long()]).cpu()
         d = accepted.shape[1]
         acc_l = out[:b * d].view(b, d).tolist()
@@ -93,4 +94,5 @@ class GraphVerifier(Verifier):
         bonus_l = out[b * d + b:].tolist()
         for i, sp in enumerate(pages):
             sp.kv_len += 1 + num_l[i]
-        return StepResult([acc_l[i][:num_l[i]] for i in range(real)], bonus_l[:real])
+        rows = [path[0][i, :1 + num_l[i]].clone() for i in range(real)] if path else None
+        return StepResult([acc_l[i][:num_l[i]] for i in range(real)], bonus_l[:real], rows)

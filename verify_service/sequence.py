@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 import itertools
 from dataclasses import dataclass, field
 
 from common.kv_cache import SeqPages
 from verify_service.request import FinishReason, GenRequest, Stats, StepOutput
+
+if TYPE_CHECKING:
+    import torch
 
 _ids = itertools.count(1)
 
@@ -29,6 +33,9 @@ class Sequence:
     unsent: list[int] = field(default_factory=list)   # committed since the last update
     accepted_nodes: list[int] = field(default_factory=list)
     accepted_step: int = 0
+    # Target hidden states [kv_len, C] of every token whose KV is written, kept on
+    # the device while a drafter reads them (EAGLE-3); None otherwise.
+    hidden: "torch.Tensor | None" = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.req.prompt_ids)

@@ -23,6 +23,14 @@ from common.tree import verify_chunk_layout
 class StepResult:
     accepted: list[list[int]]   # per sequence: accepted node indices, root to leaf
     bonus: list[int]            # per sequence: the target's token after the path
+    # per sequence, when capturing: target hidden states [1 + len(path), C] of the
+    # root and the accepted nodes (device tensors), C = layers * hidden
+    hidden: list[torch.Tensor] | None = None
+
+
+def concat_captured(captured: list[torch.Tensor]) -> torch.Tensor | None:
+    """The captured layers side by side: [T, layers * hidden], or None."""
+    return torch.cat(captured, dim=-1) if captured else None
 
 
 class Verifier:
@@ -30,16 +38,23 @@ class Verifier:
 
     def __init__(self, model: Qwen3Model, cache: PagedKVCache, ops: ModuleType) -> None:
         self.model, self.cache, self.ops = model, cache, ops
+        self.capture_layers: tuple[int, ...] = ()   # target layers a drafter asked for
 
     @torch.inference_mode()
-    def prefill(self, pages: list[SeqPages], prompts: list[list[int]]) -> list[int]:
-        """Write every prompt's KV; returns each prompt's greedy next token."""
+    def prefill(self, pages: list[SeqPages], prompts: list[list[int]]
+                ) -> tuple[list[int], list[torch.Tensor] | None]:
+        """Write every prompt's KV; returns each prompt's greedy next token and, when
+        capturing, each prompt's hidden states [len(prompt), C]."""
         fb = build_forward_batch([chain_chunk(p, t) for p, t in zip(pages, prompts)], self.cache)
-        hidden, _ = self.model(fb, self.cache, self.ops)
+        hidden, captured = self.model(fb, self.cache, self.ops, self.capture_layers)
         nxt = self.model.greedy(hidden[fb.last]).tolist()
         for p, t in zip(pages, prompts):
             p.kv_len += len(t)
-        return nxt
+        feats = concat_captured(captured)
+        if feats is None:
+            return nxt, None
+        cu = fb.cu_q.tolist()
+        return nxt, [feats[cu[i]:cu[i + 1]] for i in range(len(prompts))]
 
     @torch.inference_mode()
     def step(self, pages: list[SeqPages], roots: list[int], tokens: torch.Tensor | None,
@@ -54,7 +69,7 @@ class Verifier:
         cp, dp, tk = chunk_parents.tolist(), depths.tolist(), tokens.tolist()
         chunks = [Chunk(pages[i], [roots[i]] + tk[i], cp[i], dp[i]) for i in range(b)]
         fb = build_forward_batch(chunks, self.cache)
-        hidden, _ = self.model(fb, self.cache, self.ops)
+        hidden, captured = self.model(fb, self.cache, self.ops, self.capture_layers)
         n1 = tokens.shape[1] + 1
         target_ids = self.model.greedy(hidden).view(b, n1)                       # [B, N+1]
         accepted, num, bonus = self.ops.accept_greedy(
@@ -71,4 +86,9 @@ class Verifier:
         paths = [acc_l[i][:num_l[i]] for i in range(b)]
         for i in range(b):
             pages[i].kv_len += 1 + num_l[i]
-        return StepResult(paths, bonus_l)
+        feats = concat_captured(captured)
+        rows = None
+        if feats is not None:
+            rows = [feats[i * n1 + torch.tensor([0] + [1 + j for j in paths[i]], device=dev)]
+                    for i in range(b)]
+        return StepResult(paths, bonus_l, rows)

@@ -1,0 +1,95 @@
+"""A drafter that names target layers receives, once per committed token, exactly
+the target's hidden states at those layers (checked against transformers)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import Qwen3ForCausalLM
+
+from common import codec
+from common.client import AsyncTreespecClient
+from common.grpc_server import start_server
+from common.spec_types import DrafterInfo
+from common.tree import PRESETS
+from common.wire import drafter_info_to_pb
+from draft_service.proposer import padding_trees
+from protos.treespec.v1 import treespec_pb2 as pb
+from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+
+LAYERS = (0, 1)
+ENV = PRESETS["chain4"]
+
+
+class RecordingDrafter(pb_grpc.DrafterServicer):
+    """Keeps every token and hidden row it is sent; proposes the target's own next
+    tokens when it can (from a replay list), so some steps accept."""
+
+    def __init__(self, replay: list[int], prompt_len: int) -> None:
+        self.tokens: dict[int, list[int]] = {}
+        self.rows: dict[int, list[torch.Tensor]] = {}
+        self.replay, self.prompt_len = replay, prompt_len
+
+    async def GetInfo(self, request, context):
+        return drafter_info_to_pb(DrafterInfo(ENV, 96, "recording", LAYERS))
+
+    async def Speculate(self, request_iterator, context):
+        async for req in request_iterator:
+            ids = []
+            for u in req.sequences:
+                if u.full:
+                    self.tokens[u.seq_id], self.rows[u.seq_id] = [], []
+                self.tokens[u.seq_id] += list(u.new_tokens)
+                self.rows[u.seq_id].append(codec.decode(u.hidden_states))
+                ids.append(u.seq_id)
+            tokens, parents = padding_trees(len(ids), ENV.num_nodes)
+            for r, s in enumerate(ids):
+                done = len(self.tokens[s]) - self.prompt_len
+                nxt = self.replay[done:done + ENV.depth]
+                for i, t in enumerate(nxt):
+                    tokens[r, i], parents[r, i] = t, i - 1
+            yield pb.Proposal(step_id=req.step_id, seq_ids=ids, tokens=codec.encode(tokens),
+                              parents=codec.encode(parents))
+
+
+@pytest.mark.parametrize("step_mode", ["ragged", "fixed"])
+def test_hidden_states_of_committed_tokens_travel_once(target_dir, step_mode):
+    from inproc import greedy_reference
+    prompt = [1, 5, 9, 13, 2, 7, 1, 5]
+    ref = greedy_reference(target_dir, prompt, 20)
+    rec = RecordingDrafter(ref, len(prompt))
+
+    async def go():
+        server, port = await start_server(
+            "127.0.0.1", 0, lambda s: pb_grpc.add_DrafterServicer_to_server(rec, s),
+            ["treespec.v1.Drafter"])
+        from verify_service import server as verify_server
+        from verify_service.config import VerifyConfig
+        vs, vport, engine = await verify_server.start(VerifyConfig(
+            model=str(target_dir), draft=f"127.0.0.1:{port}", device="cpu", block_size=4,
+            num_blocks=128, step_deadline_ms=2000, step_mode=step_mode))
+        for _ in range(200):
+            if engine.link.ready:
+                break
+            await asyncio.sleep(0.02)
+        async with AsyncTreespecClient(f"127.0.0.1:{vport}") as c:
+            out = await c.generate(prompt_ids=prompt, max_tokens=20, ignore_eos=True)
+        await vs.stop(0.2)
+        await engine.stop()
+        await engine.link.close()
+        await server.stop(0.2)
+        return out
+    out = asyncio.run(go())
+    assert out.token_ids == ref
+    assert out.stats["accepted_tokens"] > 0
+    (sid, toks), = rec.tokens.items()
+    rows = torch.cat(rec.rows[sid])                            # [len(toks), 2 * hidden]
+    assert rows.shape[0] == len(toks) and toks == (prompt + ref)[:len(toks)]
+    hf = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hs = hf(torch.tensor([toks[:-1]]), output_hidden_states=True).hidden_states
+    want = torch.cat([hs[i][0] for i in LAYERS], dim=-1)      # states before tokens 1..L-1
+    assert torch.all(rows[0] == 0)
+    torch.testing.assert_close(rows[1:], want, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,162 @@
+"""Prometheus metrics of the verify service: an EngineObserver over its own registry.
+
+vLLM's names (so its speculative-decoding dashboards work unchanged; counters
+gain ``_total`` in the exposition, e.g. ``vllm:spec_decode_num_drafts_total``),
+all labelled ``model_name``:
+
+    vllm:spec_decode_num_drafts                  sequence-steps that verified a tree
+    vllm:spec_decode_num_draft_tokens            valid draft nodes offered (= RequestStats.draft_tokens)
+    vllm:spec_decode_num_accepted_tokens         draft tokens accepted (= accepted_tokens)
+    vllm:spec_decode_num_accepted_tokens_per_pos {position}: drafts whose accepted path
+                                                 reached depth position + 1 (0-based)
+    vllm:prompt_tokens / vllm:generation_tokens  (generation = completion_tokens)
+    vllm:request_success                         {finished_reason: stop, length, abort}
+    vllm:num_requests_running / _waiting         gauges
+    vllm:kv_cache_usage_perc                     gauge, used / all target KV pages
+
+treespec's own (vLLM has none of these):
+
+    treespec:spec_decode_accepted_length         histogram of accepted tokens per draft
+    treespec:spec_decode_fallback_steps          {reason}: sequence-steps run as plain decode
+                                                 while speculating (= fallback_steps)
+    treespec:sequence_steps                      decode steps summed over sequences (= steps)
+    treespec:draft_hop_seconds                   Speculate round trip (send, draft, receive)
+    treespec:verify_forward_seconds              target forward + accept walk + KV commit
+    treespec:step_seconds / treespec:prefill_seconds   whole engine iterations
+    treespec:kv_pages_used / treespec:kv_pages_free    gauges
+    treespec:draft_connected                     gauge, 1 while the Speculate stream is up
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from common.metrics import LATENCY_BUCKETS, MetricsServer
+from verify_service.observer import StepRecord
+from verify_service.sequence import Sequence
+
+if TYPE_CHECKING:
+    from verify_service.engine import VerifyEngine
+
+FINISHED = {"stop": "stop", "length": "length", "cancelled": "abort"}
+_NS = 1e-9
+
+
+class VerifyMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        self.http: MetricsServer | None = None
+        self.model_name = m = model_name
+        lab = ["model_name"]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, lab, registry=r).labels(m)
+
+        def seconds(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, lab, buckets=LATENCY_BUCKETS, registry=r).labels(m)
+
+        self.num_drafts = counter("vllm:spec_decode_num_drafts",
+                                  "Sequence-steps whose tree the target verified.")
+        self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                        "Valid draft nodes offered to the target.")
+        self.num_accepted = counter("vllm:spec_decode_num_accepted_tokens",
+                                    "Draft tokens accepted (bonus tokens excluded).")
+        self._per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                "Drafts whose accepted path reached this 0-based depth.",
+                                [*lab, "position"], registry=r)
+        self._pos: list[Counter] = []
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Completion tokens committed.")
+        self._finished = Counter("vllm:request_success", "Requests finished, by reason.",
+                                 [*lab, "finished_reason"], registry=r)
+        self.accepted_length = Histogram(
+            "treespec:spec_decode_accepted_length", "Accepted draft tokens per draft.", lab,
+            buckets=tuple(range(17)), registry=r).labels(m)
+        self._fallback = Counter("treespec:spec_decode_fallback_steps",
+                                 "Sequence-steps run as plain decode while speculating.",
+                                 [*lab, "reason"], registry=r)
+        self.sequence_steps = counter("treespec:sequence_steps",
+                                      "Decode steps summed over sequences.")
+        self.hop = seconds("treespec:draft_hop_seconds", "Speculate round trip per step.")
+        self.verify = seconds("treespec:verify_forward_seconds",
+                              "Target forward, accept walk and KV commit per step.")
+        self.step = seconds("treespec:step_seconds", "Whole decode step.")
+        self.prefill = seconds("treespec:prefill_seconds", "Prefill forward per admission.")
+        self._gauges = {name: Gauge(name, doc, lab, registry=r).labels(m) for name, doc in (
+            ("vllm:num_requests_running", "Sequences in the running batch."),
+            ("vllm:num_requests_waiting", "Requests waiting for admission."),
+            ("vllm:kv_cache_usage_perc", "Fraction of target KV pages in use."),
+            ("treespec:kv_pages_used", "Target KV pages held by sequences."),
+            ("treespec:kv_pages_free", "Target KV pages free."),
+            ("treespec:draft_connected", "1 while the Speculate stream is up."))}
+
+    def watch(self, engine: VerifyEngine) -> None:
+        """Gauges read the engine's state at scrape time (no per-step cost)."""
+        g = self._gauges
+        blocks = engine.cache.blocks
+        used = (lambda: engine.kv_pages_used) if hasattr(engine, "kv_pages_used") \
+            else (lambda: blocks.num_used)
+        g["vllm:num_requests_running"].set_function(lambda: len(engine.running))
+        g["vllm:num_requests_waiting"].set_function(lambda: len(engine.waiting))
+        g["vllm:kv_cache_usage_perc"].set_function(lambda: blocks.num_used / blocks.num_blocks)
+        g["treespec:kv_pages_used"].set_function(used)
+        g["treespec:kv_pages_free"].set_function(lambda: blocks.num_free)
+        g["treespec:draft_connected"].set_function(
+            lambda: float(engine.link is not None and engine.link.ready))
+
+    # ------------------------------------------------------------ EngineObserver
+
+    def submitted(self, seq: Sequence) -> None:
+        pass
+
+    def prefilled(self, seqs: list[Sequence], t_start: int, t_end: int) -> None:
+        self.prefill.observe((t_end - t_start) * _NS)
+        self.prompt_tokens.inc(sum(len(s.req.prompt_ids) for s in seqs))
+        self.generation_tokens.inc(len(seqs))
+
+    def step_started(self, seqs: list[Sequence]) -> None:
+        pass
+
+    def draft_context(self) -> dict[str, str]:
+        return {}
+
+    def step_finished(self, r: StepRecord) -> None:
+        if r.step_id:
+            self.hop.observe((r.t_drafted - r.t_start) * _NS)
+        self.verify.observe((r.t_verified - r.t_drafted) * _NS)
+        self.step.observe((r.t_end - r.t_start) * _NS)
+        self.sequence_steps.inc(len(r.seq_ids))
+        self.generation_tokens.inc(sum(r.committed))
+        for drafted, accepted, fallback in zip(r.drafted, r.accepted, r.fallback):
+            if fallback is not None:
+                self._fallback.labels(self.model_name, fallback).inc()
+            if drafted == 0:
+                continue
+            self.num_drafts.inc()
+            self.num_draft_tokens.inc(drafted)
+            self.num_accepted.inc(accepted)
+            self.accepted_length.observe(accepted)
+            for p in range(accepted):
+                self._position(p).inc()
+        if r.envelope is not None and len(self._pos) < r.envelope.depth:
+            self._position(r.envelope.depth - 1)   # show every position from the start
+
+    def _position(self, p: int) -> Counter:
+        while len(self._pos) <= p:
+            self._pos.append(self._per_pos.labels(self.model_name, str(len(self._pos))))
+        return self._pos[p]
+
+    def finished(self, seq: Sequence) -> None:
+        self._finished.labels(self.model_name, FINISHED.get(seq.finish or "", "abort")).inc()
+
+    def close(self) -> None:
+        if self.http is not None:
+            self.http.close()
+            self.http = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics on host:port (0 = a free port) until close(); the bound port."""
+        self.http = MetricsServer(self.registry, host, port)
+        return self.http.port

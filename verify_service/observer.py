@@ -1,0 +1,152 @@
+"""What the verify engine reports as it runs: the one hook behind traces and metrics.
+
+The engine imports neither OpenTelemetry nor prometheus-client; it calls an
+``EngineObserver`` at five points and hands it plain data. ``NullObserver`` (the
+default) does nothing, so an engine without telemetry pays a few no-op calls and
+``time.time_ns()`` reads per step. Implementations: ``verify_service.metrics``
+(prometheus) and ``verify_service.tracing`` (spans); ``Observers`` fans out to
+several.
+
+Call order, all on the engine's event loop:
+
+    submitted(seq)            engine.submit, in the caller's context: the Generate
+                              handler's, whose current span is the request span
+    prefilled(seqs, t0, t1)   after a prefill forward committed each one's first token
+    step_started(seqs)        a decode step over these running sequences begins
+    draft_context()           only when the step asks the draft: the W3C carrier
+                              to send with its SpeculateRequest ({} when untraced)
+    step_finished(record)     the step committed its tokens (StepRecord below)
+    finished(seq)             seq.finish was just set (stop / length / cancelled),
+                              before its last output is queued
+    close()                   the engine stopped
+
+Times are ``time.time_ns()`` (epoch nanoseconds, what span timestamps want).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from common.tree import TreeEnvelope
+
+if TYPE_CHECKING:
+    from verify_service.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One decode step. Per-sequence lists are aligned with ``seq_ids``.
+
+    Sequences cancelled during the step committed nothing and are left out, so the
+    sums over records equal what clients see in RequestStats: drafted ->
+    draft_tokens, accepted -> accepted_tokens, committed -> completion_tokens (less
+    the prefill token), a non-None fallback -> fallback_steps, one row -> one step.
+
+    Example: a chain4 step over seqs [7, 9] where 7 got 4 draft tokens, accepted 2
+    and 9 ran without a tree: drafted [4, 0], depth [2, 0], accepted [2, 0],
+    committed [3, 1], fallback [None, "empty_tree"].
+    """
+
+    step_id: int                     # the Speculate step id; 0 if the draft was not asked
+    batch: int                       # sequences in the target forward
+    seq_ids: list[int]
+    request_ids: list[str]
+    drafted: list[int]               # valid draft nodes offered to the target
+    depth: list[int]                 # length of the accepted root-to-node path
+    accepted: list[int]              # draft tokens committed (path cut at a stop), bonus excluded
+    committed: list[int]             # tokens committed: accepted + bonus, cut at a stop
+    fallback: list[str | None]       # why a speculating sequence ran as plain decode
+    reason: str | None               # why the step got no proposal at all (None: it got one,
+                                     # or no sequence speculates)
+    envelope: TreeEnvelope | None    # the draft's envelope when a proposal was used
+    t_start: int
+    t_drafted: int                   # proposal in hand (== t_start when not asked)
+    t_verified: int                  # target forward, accept walk and KV commit done
+    t_end: int                       # tokens committed and queued to their clients
+
+
+class EngineObserver(Protocol):
+    def submitted(self, seq: Sequence) -> None: ...
+
+    def prefilled(self, seqs: list[Sequence], t_start: int, t_end: int) -> None: ...
+
+    def step_started(self, seqs: list[Sequence]) -> None: ...
+
+    def draft_context(self) -> dict[str, str]: ...
+
+    def step_finished(self, record: StepRecord) -> None: ...
+
+    def finished(self, seq: Sequence) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullObserver:
+    """Observes nothing (telemetry off)."""
+
+    def submitted(self, seq: Sequence) -> None:
+        pass
+
+    def prefilled(self, seqs: list[Sequence], t_start: int, t_end: int) -> None:
+        pass
+
+    def step_started(self, seqs: list[Sequence]) -> None:
+        pass
+
+    def draft_context(self) -> dict[str, str]:
+        return {}
+
+    def step_finished(self, record: StepRecord) -> None:
+        pass
+
+    def finished(self, seq: Sequence) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Observers:
+    """Several observers as one, called in order; the first non-empty carrier wins."""
+
+    def __init__(self, observers: list[EngineObserver]) -> None:
+        self.observers = observers
+
+    def submitted(self, seq: Sequence) -> None:
+        for o in self.observers:
+            o.submitted(seq)
+
+    def prefilled(self, seqs: list[Sequence], t_start: int, t_end: int) -> None:
+        for o in self.observers:
+            o.prefilled(seqs, t_start, t_end)
+
+    def step_started(self, seqs: list[Sequence]) -> None:
+        for o in self.observers:
+            o.step_started(seqs)
+
+    def draft_context(self) -> dict[str, str]:
+        carrier: dict[str, str] = {}
+        for o in self.observers:
+            got = o.draft_context()
+            carrier = carrier or got
+        return carrier
+
+    def step_finished(self, record: StepRecord) -> None:
+        for o in self.observers:
+            o.step_finished(record)
+
+    def finished(self, seq: Sequence) -> None:
+        for o in self.observers:
+            o.finished(seq)
+
+    def close(self) -> None:
+        for o in self.observers:
+            o.close()
+
+
+def combine(observers: list[EngineObserver]) -> EngineObserver:
+    """NullObserver for none, the observer itself for one, else Observers."""
+    if not observers:
+        return NullObserver()
+    return observers[0] if len(observers) == 1 else Observers(observers)
