@@ -4,6 +4,7 @@ held-out evaluation → TRAINING.json. See bench/train_tiny.py for the command."
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -42,6 +43,9 @@ def run(s: Settings) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     budget = 60.0 * s.minutes_budget
     torch.manual_seed(s.seed)
+    # Deterministic kernels where torch has them (warn, never fail, where it has none).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     timings: dict[str, float] = {}
