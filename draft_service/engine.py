@@ -25,6 +25,7 @@ work. Had step 8 said committed_len 6, seq 3 would come back in ``resync``.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from common.errors import InvalidRequest
 from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, TreeBatch
 from common.tree import TreeEnvelope
 from draft_service.config import DraftConfig
+from draft_service.observer import DraftObserver, DraftStepRecord, NullDraftObserver
 from draft_service.proposer import Proposer, padding_trees
 from draft_service.registry import build_proposer
 
@@ -74,11 +76,13 @@ def check_request(req: SpecRequest, env: TreeEnvelope, vocab_size: int) -> None:
 
 
 class DraftEngine:
-    def __init__(self, cfg: DraftConfig, proposer: Proposer | None = None) -> None:
+    def __init__(self, cfg: DraftConfig, proposer: Proposer | None = None,
+                 observer: DraftObserver | None = None) -> None:
         self.cfg = cfg
         self.env = cfg.envelope
         self.proposer = proposer if proposer is not None else build_proposer(cfg)
         self._seqs: OrderedDict[int, _SeqState] = OrderedDict()
+        self.observer: DraftObserver = observer or NullDraftObserver()
 
     @property
     def info(self) -> DrafterInfo:
@@ -98,6 +102,8 @@ class DraftEngine:
 
     def step(self, req: SpecRequest) -> TreeBatch:
         """Apply req's updates and propose one tree per sequence, in request order."""
+        t0 = time.time_ns()
+        tp0 = tp1 = 0
         check_request(req, self.env, self.proposer.vocab_size)
         self.release(req.released)
         ids = [u.seq_id for u in req.seqs]
@@ -107,7 +113,9 @@ class DraftEngine:
             evicted = self._evict()
             live = [r for r in live if ids[r] not in evicted]
             if live:
+                tp0 = time.time_ns()
                 t, p = self.proposer.propose([ids[r] for r in live])
+                tp1 = time.time_ns()
                 tokens[live], parents[live] = t, p
         except Exception:
             self.release(ids)   # never leave a half-applied state behind
@@ -118,8 +126,10 @@ class DraftEngine:
         resync = [s for r, s in enumerate(ids) if r not in live_set]
         if resync:
             log.debug("step %d: resync %s", req.step_id, resync)
-        return TreeBatch(step_id=req.step_id, seq_ids=ids, tokens=tokens, parents=parents,
-                         resync=resync)
+        batch = TreeBatch(step_id=req.step_id, seq_ids=ids, tokens=tokens, parents=parents,
+                          resync=resync)
+        self.observer.step_finished(DraftStepRecord(req, batch, t0, tp0, tp1, time.time_ns()))
+        return batch
 
     def _apply(self, u: SeqUpdate) -> bool:
         """Bring one sequence up to date; False if it must resync."""

@@ -1,0 +1,60 @@
+"""What the draft engine reports per Speculate step: the hook behind its traces and metrics.
+
+The engine imports neither OpenTelemetry nor prometheus-client: after each
+``DraftEngine.step`` it hands a ``DraftStepRecord`` to its ``DraftObserver``
+(``NullDraftObserver`` by default, a method call per step). Implementations:
+``draft_service.metrics`` and ``draft_service.tracing``. Called on the engine's
+worker thread, one step at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from common.spec_types import SpecRequest, TreeBatch
+
+
+@dataclass(frozen=True)
+class DraftStepRecord:
+    request: SpecRequest     # as received; trace_context names the verify step's span
+    batch: TreeBatch         # as answered (padding rows for resynced sequences)
+    t_start: int             # time.time_ns(): step entered
+    t_propose: int           # proposer.propose started (0 when every row resynced)
+    t_proposed: int          # proposer.propose returned (0 likewise)
+    t_end: int
+
+
+class DraftObserver(Protocol):
+    def step_finished(self, record: DraftStepRecord) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullDraftObserver:
+    def step_finished(self, record: DraftStepRecord) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class DraftObservers:
+    """Several observers as one."""
+
+    def __init__(self, observers: list[DraftObserver]) -> None:
+        self.observers = observers
+
+    def step_finished(self, record: DraftStepRecord) -> None:
+        for o in self.observers:
+            o.step_finished(record)
+
+    def close(self) -> None:
+        for o in self.observers:
+            o.close()
+
+
+def combine(observers: list[DraftObserver]) -> DraftObserver:
+    if not observers:
+        return NullDraftObserver()
+    return observers[0] if len(observers) == 1 else DraftObservers(observers)
