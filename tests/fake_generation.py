@@ -32,15 +32,18 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         if request.sampling.temperature != 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling is not supported yet")
         n = sum(len(s) for s in self.steps)
+        finished = threading.Event()
+        # runs when the RPC ends for any reason; before the last step only if cancelled
+        context.add_callback(lambda: finished.is_set() or self.cancelled.set())
         for i, ids in enumerate(self.steps):
             if i and self.step_delay_s:
                 time.sleep(self.step_delay_s)
             if not context.is_active():
-                self.cancelled.set()
                 return
             m = pb.GenerateResponse(token_ids=ids,
                                     text="".join(f"<{t}>" for t in ids) if self.tokenizer else "")
             if i == len(self.steps) - 1:
+                finished.set()
                 m.finish_reason = pb.FINISH_REASON_LENGTH
                 m.stats.CopyFrom(pb.RequestStats(
                     prompt_tokens=len(request.prompt_ids) or len(request.prompt),

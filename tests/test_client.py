@@ -117,7 +117,7 @@ def test_wait_ready_times_out_when_not_serving(fake):
         start = time.monotonic()
         with pytest.raises(TimeoutError, match="NOT_SERVING"):
             c.wait_ready(0.5)
-        assert time.monotonic() - start < 3.0
+        assert time.monotonic() - start < 10.0
 
 
 def test_wait_ready_times_out_with_nothing_listening():
