@@ -48,6 +48,8 @@ def _add_runtime(p: argparse.ArgumentParser) -> None:
                    help="kernel backend (default auto)")
     p.add_argument("--num-blocks", type=int, help="KV cache pages")
     p.add_argument("--block-size", type=int, help="tokens per KV page")
+    p.add_argument("--metrics-port", type=int, metavar="P",
+                   help="serve Prometheus /metrics on P (0 picks a free one; default off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true",
                    help="print one JSON object {token_ids, text, finish_reason, stats}")
 
+    h = sub.add_parser("health", help="exit 0 when a service's gRPC health says SERVING")
+    h.add_argument("--addr", required=True, metavar="HOST:PORT")
+    h.add_argument("--service", default="", help="service name to check (default: the server)")
+    h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for SERVING")
+
     m = sub.add_parser("demo", help="start both services locally and compare with plain decode")
     m.add_argument("--method", choices=["ngram", "model"],
                    help="proposer (default: model with shipped checkpoints, else ngram)")
@@ -111,7 +118,8 @@ def _fields(args: argparse.Namespace, names: Sequence[str]) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
-_RUNTIME = ("host", "port", "device", "dtype", "kernels", "num_blocks", "block_size")
+_RUNTIME = ("host", "port", "device", "dtype", "kernels", "num_blocks", "block_size",
+            "metrics_port")
 
 
 def _check_model(name: str | None) -> None:
@@ -188,6 +196,18 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def health(args: argparse.Namespace) -> int:
+    """0 and SERVING on stdout when healthy, else 1 and why on stderr (container health checks)."""
+    with TreespecClient(args.addr) as client:
+        try:
+            client.wait_ready(args.timeout, args.service)
+        except TimeoutError as e:
+            print(f"treespec health: {e}", file=sys.stderr)
+            return 1
+    print("SERVING")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -199,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_server(SERVERS["verify"], verify_config(args))
         elif args.command == "generate":
             return generate(args)
+        elif args.command == "health":
+            return health(args)
         elif args.command == "demo":
             from common.demo import run_demo
             return run_demo(args)

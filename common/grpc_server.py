@@ -113,14 +113,18 @@ def _bind_address(host: str, port: int) -> str:
 
 
 async def start_server(host: str, port: int, add_servicers: Callable[[grpc.aio.Server], None],
-                       service_names: list[str]) -> tuple[grpc.aio.Server, int]:
+                       service_names: list[str],
+                       interceptors: list[grpc.aio.ServerInterceptor] | None = None
+                       ) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server with error mapping, health and reflection.
 
     add_servicers registers the service's own servicers; service_names are their
     full names (e.g. "treespec.v1.Drafter"), each reported SERVING by health and
     listed by reflection. port 0 binds a free port; returns (server, bound port).
+    interceptors (e.g. tracing) run outside the error mapping, first one outermost.
     """
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=SERVER_OPTIONS)
+    server = grpc.aio.server(interceptors=[*(interceptors or ()), ErrorMappingInterceptor()],
+                             options=SERVER_OPTIONS)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

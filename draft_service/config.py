@@ -18,6 +18,7 @@ class DraftConfig:
     model: str | None = None          # checkpoint dir (or shipped name) for model/eagle3
     host: str = "127.0.0.1"
     port: int = 0                     # 0 picks a free port
+    metrics_port: int | None = None   # /metrics: None = off, 0 = a free port
     device: str = "auto"
     dtype: str = "auto"
     kernels: str = "auto"             # auto | reference | triton
@@ -34,6 +35,8 @@ class DraftConfig:
             raise ValueError(f"--method {self.method} needs --model")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics port {self.metrics_port} out of range")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
         if self.num_blocks < 1 or self.block_size < 1:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 
 from common.grpc_server import run_server, start_server
+from common.telemetry import DRAFT_SERVICE_NAME, tracer_provider_from_env
 from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine
+from draft_service.observer import DraftObserver, combine
 from draft_service.proposer import Proposer
 from draft_service.servicer import DrafterServicer
 from protos.treespec.v1 import treespec_pb2 as pb
@@ -14,21 +18,48 @@ from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name   # "treespec.v1.Drafter"
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
-async def start(cfg: DraftConfig, proposer: Proposer | None = None
+
+async def start(cfg: DraftConfig, proposer: Proposer | None = None,
+                tracer_provider: TracerProvider | None = None
                 ) -> tuple[grpc.aio.Server, int, DraftEngine]:
     """Build the engine (loading the draft model, if any) and start serving it.
 
     Returns the started server, its bound port (cfg.port 0 = a free one) and the
-    engine, for in-process use; stop with ``await server.stop(grace)``.
+    engine, for in-process use; stop with ``await server.stop(grace)``, then
+    ``engine.observer.close()`` (closes /metrics). Traces go to tracer_provider,
+    by default the one the OTEL_* variables describe (none when tracing is off).
     """
-    server, port, servicer = await _start(cfg, proposer)
+    server, port, servicer = await _start(cfg, proposer, tracer_provider)
     return server, port, servicer.engine
 
 
-async def _start(cfg: DraftConfig, proposer: Proposer | None
+def build_engine(cfg: DraftConfig, proposer: Proposer | None,
+                 tracer_provider: TracerProvider | None) -> DraftEngine:
+    """The engine with its observer: metrics when cfg.metrics_port is set, spans when traced."""
+    if tracer_provider is None:
+        tracer_provider = tracer_provider_from_env(DRAFT_SERVICE_NAME)
+    engine = DraftEngine(cfg, proposer)
+    observers: list[DraftObserver] = []
+    if cfg.metrics_port is not None:
+        from draft_service.metrics import DraftMetrics
+        metrics = DraftMetrics(cfg.method)
+        metrics.watch(engine)
+        metrics.serve(cfg.host, cfg.metrics_port)
+        observers.append(metrics)
+    if tracer_provider is not None:
+        from draft_service.tracing import DraftTracer
+        observers.append(DraftTracer(tracer_provider))
+    engine.observer = combine(observers)
+    return engine
+
+
+async def _start(cfg: DraftConfig, proposer: Proposer | None,
+                 tracer_provider: TracerProvider | None = None
                  ) -> tuple[grpc.aio.Server, int, DrafterServicer]:
-    servicer = DrafterServicer(DraftEngine(cfg, proposer))
+    servicer = DrafterServicer(build_engine(cfg, proposer, tracer_provider))
     server, port = await start_server(
         cfg.host, cfg.port, lambda s: pb_grpc.add_DrafterServicer_to_server(servicer, s),
         [SERVICE_NAME])
@@ -51,3 +82,4 @@ def run(cfg: DraftConfig, proposer: Proposer | None = None) -> None:
     finally:
         for s in servicers:
             s.close()
+            s.engine.observer.close()

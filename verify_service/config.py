@@ -11,6 +11,7 @@ class VerifyConfig:
     draft: str | None = None          # HOST:PORT of a draft service; None = plain decode
     host: str = "127.0.0.1"
     port: int = 0                     # 0 picks a free port
+    metrics_port: int | None = None   # /metrics: None = off, 0 = a free port
     device: str = "auto"
     dtype: str = "auto"
     kernels: str = "auto"             # auto | reference | triton
@@ -26,6 +27,8 @@ class VerifyConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics port {self.metrics_port} out of range")
         if self.draft is not None and ":" not in self.draft:
             raise ValueError(f"--draft wants HOST:PORT, got {self.draft!r}")
         if self.max_batch < 1 or self.num_blocks < 1 or self.block_size < 1:

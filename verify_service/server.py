@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -10,36 +11,71 @@ from common.devices import pick_device, pick_dtype
 from common.grpc_server import run_server, start_server
 from common.model_paths import resolve_model
 from common.qwen3 import Qwen3Model
+from common.telemetry import VERIFY_SERVICE_NAME, TracingInterceptor, tracer_provider_from_env
 from common.tokenizer import load_tokenizer
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 from verify_service.config import VerifyConfig
 from verify_service.draft_link import DraftLink
 from verify_service.engine import VerifyEngine
+from verify_service.observer import EngineObserver, combine
 from verify_service.servicer import GenerationServicer
 
 SERVICE = "treespec.v1.Generation"
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
-def build_engine(cfg: VerifyConfig) -> tuple[VerifyEngine, GenerationServicer]:
+    from verify_service.metrics import VerifyMetrics
+
+
+def build_observer(cfg: VerifyConfig, tracer_provider: TracerProvider | None
+                   ) -> tuple[EngineObserver, VerifyMetrics | None]:
+    """The engine's observer (metrics when cfg.metrics_port is set, spans when traced)."""
+    observers: list[EngineObserver] = []
+    metrics = None
+    if cfg.metrics_port is not None:
+        from verify_service.metrics import VerifyMetrics
+        metrics = VerifyMetrics(str(cfg.model))
+        observers.append(metrics)
+    if tracer_provider is not None:
+        from verify_service.tracing import VerifyTracer
+        observers.append(VerifyTracer(tracer_provider))
+    return combine(observers), metrics
+
+
+def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = None
+                 ) -> tuple[VerifyEngine, GenerationServicer]:
     path = resolve_model(cfg.model)
     device = pick_device(cfg.device)
     model = Qwen3Model.from_pretrained(path, dtype=pick_dtype(cfg.dtype, device), device=device)
     link = DraftLink(cfg.draft, cfg.reconnect_s, model.spec.vocab_size) if cfg.draft else None
+    observer, metrics = build_observer(cfg, tracer_provider)
     engine = VerifyEngine(model, cfg.num_blocks, cfg.block_size, cfg.max_batch,
                           cfg.max_model_len, cfg.prefill_tokens, cfg.step_deadline_ms / 1000,
-                          link=link, kernels=cfg.kernels, step_mode=cfg.step_mode)
+                          link=link, kernels=cfg.kernels, step_mode=cfg.step_mode,
+                          observer=observer)
+    if metrics is not None:
+        metrics.watch(engine)
+        metrics.serve(cfg.host, cfg.metrics_port)
     return engine, GenerationServicer(engine, load_tokenizer(path), str(cfg.model))
 
 
-async def start(cfg: VerifyConfig) -> tuple[grpc.aio.Server, int, VerifyEngine]:
-    """Build and start everything (for tests and run()); returns the bound port."""
-    engine, servicer = build_engine(cfg)
+async def start(cfg: VerifyConfig, tracer_provider: TracerProvider | None = None
+                ) -> tuple[grpc.aio.Server, int, VerifyEngine]:
+    """Build and start everything (for tests and run()); returns the bound port.
+
+    Traces go to tracer_provider, by default the one the OTEL_* variables describe
+    (none when tracing is off: see common.telemetry). engine.stop() closes /metrics.
+    """
+    if tracer_provider is None:
+        tracer_provider = tracer_provider_from_env(VERIFY_SERVICE_NAME)
+    engine, servicer = build_engine(cfg, tracer_provider)
     if engine.link is not None:
         engine.link.start()
     engine.start()
     server, port = await start_server(
         cfg.host, cfg.port, lambda s: pb_grpc.add_GenerationServicer_to_server(servicer, s),
-        [SERVICE])
+        [SERVICE], [TracingInterceptor(tracer_provider)] if tracer_provider else None)
     return server, port, engine
 
 
