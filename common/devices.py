@@ -15,6 +15,13 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
+def bind_device(dev: torch.device) -> None:
+    """Make dev the current CUDA device, so streams, graphs and pinned staging made
+    without an explicit device land on it (no-op on the CPU)."""
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+
+
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     """'auto' = bfloat16 on a GPU, float32 on the CPU."""
     if name == "auto":

@@ -31,7 +31,7 @@ from types import ModuleType
 import torch
 
 from common.block_manager import OutOfPages
-from common.devices import pick_device, pick_dtype
+from common.devices import bind_device, pick_device, pick_dtype
 from common.forward_batch import Chunk, build_forward_batch, chain_chunk
 from common.kv_cache import PagedKVCache, SeqPages
 from common.model_paths import resolve_model
@@ -71,6 +71,7 @@ class ModelProposer:
     @classmethod
     def from_config(cls, cfg: DraftConfig) -> "ModelProposer":
         device = pick_device(cfg.device)
+        bind_device(device)
         model = Qwen3Model.from_pretrained(resolve_model(cfg.model), pick_dtype(cfg.dtype, device),
                                            device)
         return cls(model, cfg.envelope, select(device, cfg.kernels), cfg.num_blocks,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from common.devices import pick_device, pick_dtype
+from common.devices import bind_device, pick_device, pick_dtype
 from common.grpc_server import run_server, start_server
 from common.model_paths import resolve_model
 from common.qwen3 import Qwen3Model
@@ -47,6 +47,7 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
                  ) -> tuple[VerifyEngine, GenerationServicer]:
     path = resolve_model(cfg.model)
     device = pick_device(cfg.device)
+    bind_device(device)
     model = Qwen3Model.from_pretrained(path, dtype=pick_dtype(cfg.dtype, device), device=device)
     link = DraftLink(cfg.draft, cfg.reconnect_s, model.spec.vocab_size) if cfg.draft else None
     observer, metrics = build_observer(cfg, tracer_provider)
