@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import grpc
@@ -70,6 +71,7 @@ def run(cfg: DraftConfig, proposer: Proposer | None = None) -> None:
     """Serve cfg until SIGINT/SIGTERM (prints ``listening on HOST:PORT`` first).
 
     proposer overrides the one cfg.method names (the benchmarks' instruments)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     servicers: list[DrafterServicer] = []
 
     async def start_one() -> tuple[grpc.aio.Server, int]:

@@ -1,0 +1,140 @@
+"""/metrics on both services: the vLLM-named counters equal what `treespec generate
+--json` reports, through real CLI processes; and exact counts for a hand-made step."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import services
+from common.launch import cli_command
+from parallel_services import free_port, running
+from common.tree import envelope_from
+from verify_service.metrics import VerifyMetrics
+from verify_service.observer import StepRecord
+
+METRICS_LINE = re.compile(r"metrics on (http://\S+/metrics)")
+PROMPTS = [[5, 17, 23, 42, 8, 17, 23, 42, 8, 17, 23], [3, 4, 5, 6, 7]]
+MAX_TOKENS = 16
+
+
+def metrics_url(svc) -> str:
+    m = METRICS_LINE.search(svc.output())
+    assert m, f"{svc.name} logged no metrics line:\n{svc.output(20)}"
+    return m.group(1)
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, labels without model_name/proposer): value}."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = frozenset((k, v) for k, v in s.labels.items()
+                               if k not in ("model_name", "proposer"))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def value(m: dict, name: str, **labels) -> float:
+    return m[(name, frozenset(labels.items()))]
+
+
+def total(m: dict, name: str) -> float:
+    return sum(v for (n, _), v in m.items() if n == name)
+
+
+@pytest.fixture(scope="module")
+def stack(target_dir):
+    dport = free_port()
+    draft = cli_command("draft", "--method", "model", "--model", str(target_dir), "--envelope",
+                        "tree-small", "--port", str(dport), "--device", "cpu",
+                        "--metrics-port", "0")
+    verify = cli_command("verify", "--model", str(target_dir), "--draft", f"127.0.0.1:{dport}",
+                         "--port", "0", "--device", "cpu", "--metrics-port", "0",
+                         "--step-deadline-ms", "5000", "--reconnect-s", "0.2",
+                         "--num-blocks", "256", "--block-size", "4")
+    with running([("draft", draft, None), ("verify", verify, None)]) as pair:
+        pair[1].wait_listening(1)
+        assert services.run_cli("health", "--addr", pair[1].addr).returncode == 0
+        _wait_connected(metrics_url(pair[1]))
+        yield pair
+
+
+def _wait_connected(url: str, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while value(scrape(url), "treespec:draft_connected") != 1:
+        assert time.monotonic() < end, "the verify never connected to the draft"
+        time.sleep(0.1)
+
+
+def test_metrics_equal_generate_json_stats(stack):
+    draft, verify = stack
+    vurl, durl = metrics_url(verify), metrics_url(draft)
+    before = scrape(vurl)
+    assert total(before, "vllm:spec_decode_num_draft_tokens_total") == 0
+    outs = [services.generate_json(verify.addr, p, MAX_TOKENS, "--ignore-eos") for p in PROMPTS]
+    stats = {k: sum(o["stats"][k] for o in outs) for k in outs[0]["stats"]}
+    v, d = scrape(vurl), scrape(durl)
+
+    assert stats["accepted_tokens"] > 0
+    assert value(v, "vllm:spec_decode_num_draft_tokens_total") == stats["draft_tokens"]
+    assert value(v, "vllm:spec_decode_num_accepted_tokens_total") == stats["accepted_tokens"]
+    drafts = stats["steps"] - stats["fallback_steps"]
+    assert value(v, "vllm:spec_decode_num_drafts_total") == drafts
+    per_pos = [value(v, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+               for p in range(envelope_from("tree-small").depth)]
+    assert sum(per_pos) == stats["accepted_tokens"]
+    assert per_pos == sorted(per_pos, reverse=True), "a deeper position needs the shallower"
+    assert value(v, "treespec:spec_decode_accepted_length_count") == drafts
+    assert value(v, "treespec:spec_decode_accepted_length_sum") == stats["accepted_tokens"]
+    assert total(v, "treespec:spec_decode_fallback_steps_total") == stats["fallback_steps"]
+    assert value(v, "treespec:sequence_steps_total") == stats["steps"]
+    assert value(v, "vllm:generation_tokens_total") == stats["completion_tokens"]
+    assert value(v, "vllm:prompt_tokens_total") == stats["prompt_tokens"]
+    assert value(v, "vllm:request_success_total", finished_reason="length") == len(PROMPTS)
+    assert value(v, "vllm:num_requests_running") == value(v, "vllm:num_requests_waiting") == 0
+    assert value(v, "treespec:kv_pages_used") == 0
+    assert value(v, "treespec:kv_pages_free") > 0
+    assert value(v, "treespec:draft_connected") == 1
+    assert value(v, "treespec:draft_hop_seconds_count") >= drafts
+    assert value(v, "treespec:verify_forward_seconds_count") == \
+        value(v, "treespec:step_seconds_count") > 0
+
+    # the draft proposed what the target was offered (every proposal was in time)
+    assert stats["fallback_steps"] == 0
+    assert value(d, "treespec:draft_proposed_tokens_total") == stats["draft_tokens"]
+    assert value(d, "treespec:draft_trees_total") == drafts
+    assert value(d, "treespec:draft_steps_total") == value(v, "treespec:draft_hop_seconds_count")
+    assert value(d, "treespec:draft_propose_seconds_count") > 0
+    assert value(d, "treespec:kv_pages_used") >= 0 and value(d, "treespec:draft_sequences") >= 0
+
+
+def test_metrics_for_a_hand_made_step():
+    env = envelope_from("chain4")
+    m = VerifyMetrics("tiny")
+    rec = StepRecord(step_id=3, batch=2, seq_ids=[7, 9], request_ids=["a", "b"],
+                     drafted=[4, 0], depth=[2, 0], accepted=[2, 0], committed=[3, 1],
+                     fallback=[None, "empty_tree"], reason=None, envelope=env,
+                     t_start=0, t_drafted=2_000_000, t_verified=5_000_000, t_end=6_000_000)
+    m.step_finished(rec)
+    got = m.registry.get_sample_value
+    lab = {"model_name": "tiny"}
+    assert got("vllm:spec_decode_num_drafts_total", lab) == 1
+    assert got("vllm:spec_decode_num_draft_tokens_total", lab) == 4
+    assert got("vllm:spec_decode_num_accepted_tokens_total", lab) == 2
+    assert [got("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                {**lab, "position": str(p)}) for p in range(env.depth)] == [1, 1, 0, 0]
+    assert got("treespec:spec_decode_fallback_steps_total", {**lab, "reason": "empty_tree"}) == 1
+    assert got("vllm:generation_tokens_total", lab) == 4
+    assert got("treespec:draft_hop_seconds_sum", lab) == pytest.approx(0.002)
+    assert got("treespec:verify_forward_seconds_sum", lab) == pytest.approx(0.003)
+    assert got("treespec:step_seconds_sum", lab) == pytest.approx(0.006)
+    # every server has a registry of its own: a second one starts from zero
+    assert VerifyMetrics("tiny").registry.get_sample_value(
+        "vllm:spec_decode_num_drafts_total", lab) == 0
