@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import re
-import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import services
 from common.launch import cli_command
 from parallel_services import free_port, running
+from prom import scrape, total, value, wait_connected
 from common.tree import envelope_from
 from verify_service.metrics import VerifyMetrics
 from verify_service.observer import StepRecord
@@ -28,27 +26,6 @@ def metrics_url(svc) -> str:
     return m.group(1)
 
 
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    """{(sample name, labels without model_name/proposer): value}."""
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = frozenset((k, v) for k, v in s.labels.items()
-                               if k not in ("model_name", "proposer"))
-            out[(s.name, labels)] = s.value
-    return out
-
-
-def value(m: dict, name: str, **labels) -> float:
-    return m[(name, frozenset(labels.items()))]
-
-
-def total(m: dict, name: str) -> float:
-    return sum(v for (n, _), v in m.items() if n == name)
-
-
 @pytest.fixture(scope="module")
 def stack(target_dir):
     dport = free_port()
@@ -62,15 +39,8 @@ def stack(target_dir):
     with running([("draft", draft, None), ("verify", verify, None)]) as pair:
         pair[1].wait_listening(1)
         assert services.run_cli("health", "--addr", pair[1].addr).returncode == 0
-        _wait_connected(metrics_url(pair[1]))
+        wait_connected(metrics_url(pair[1]))
         yield pair
-
-
-def _wait_connected(url: str, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while value(scrape(url), "treespec:draft_connected") != 1:
-        assert time.monotonic() < end, "the verify never connected to the draft"
-        time.sleep(0.1)
 
 
 def test_metrics_equal_generate_json_stats(stack):

