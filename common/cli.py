@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("draft", help="serve the Drafter service (proposes token trees)")
     d.add_argument("--method", required=True, choices=["ngram", "model", "eagle3"])
     d.add_argument("--model", help="draft checkpoint dir or shipped name (model, eagle3)")
+    d.add_argument("--target-embeddings", metavar="PATH",
+                   help="eagle3 head without embed_tokens: the target's checkpoint dir or a "
+                   "safetensors file holding model.embed_tokens.weight")
     d.add_argument("--envelope", help="tree preset: chain4 (default), tree-small, tree-wide")
     d.add_argument("--depth", type=int, help="custom envelope: longest path, in nodes")
     d.add_argument("--topk", type=int, help="custom envelope: children per expanded node")
@@ -137,8 +140,13 @@ def draft_config(args: argparse.Namespace):
     _check_model(args.model)
     try:
         env = envelope_from(args.envelope, args.depth, args.topk, args.nodes)
-        return DraftConfig(method=args.method, envelope=env, model=args.model,
-                           **_fields(args, _RUNTIME + ("ngram_max", "ngram_min", "max_sequences")))
+        cfg = DraftConfig(method=args.method, envelope=env, model=args.model,
+                          **_fields(args, _RUNTIME + ("ngram_max", "ngram_min", "max_sequences",
+                                                      "target_embeddings")))
+        if cfg.method == "eagle3":
+            from draft_service.eagle3_head import embedding_source
+            embedding_source(resolve_model(cfg.model), cfg.target_embeddings)
+        return cfg
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

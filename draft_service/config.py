@@ -16,6 +16,7 @@ class DraftConfig:
     method: Method
     envelope: TreeEnvelope
     model: str | None = None          # checkpoint dir (or shipped name) for model/eagle3
+    target_embeddings: str | None = None  # eagle3 without embed_tokens: target ckpt / safetensors
     host: str = "127.0.0.1"
     port: int = 0                     # 0 picks a free port
     metrics_port: int | None = None   # /metrics: None = off, 0 = a free port

@@ -5,19 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from draft_service.config import DraftConfig, Method
+from draft_service.eagle3_proposer import Eagle3Proposer
 from draft_service.model_proposer import ModelProposer
 from draft_service.ngram import NgramProposer
 from draft_service.proposer import Proposer
 
 
-def _eagle3(cfg: DraftConfig) -> Proposer:
-    raise NotImplementedError("eagle3 is not implemented yet; use --method ngram or model")
-
-
 PROPOSERS: dict[Method, Callable[[DraftConfig], Proposer]] = {
     "ngram": NgramProposer,
     "model": ModelProposer.from_config,
-    "eagle3": _eagle3,
+    "eagle3": Eagle3Proposer.from_config,
 }
 
 
