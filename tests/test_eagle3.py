@@ -78,9 +78,9 @@ def no_embed_dir(tmp_path_factory, head_dir) -> Path:
 
 
 def _proposer(path: Path, env: TreeEnvelope, **kw) -> Eagle3Proposer:
+    kw = {"num_blocks": 64, "block_size": 4, **kw}
     return Eagle3Proposer.from_config(DraftConfig(method="eagle3", envelope=env,
-                                                  model=str(path), device="cpu",
-                                                  num_blocks=64, block_size=4, **kw))
+                                                  model=str(path), device="cpu", **kw))
 
 
 def _inputs(seed: int, n: int) -> tuple[list[int], torch.Tensor]:
@@ -140,6 +140,33 @@ def test_chain_equals_the_reference_chain_across_updates(head_dir):
     assert prop.cache.blocks.num_free < 64
     prop.release(5)
     assert prop.cache.blocks.num_free == 64
+
+
+def test_out_of_pages_pads_the_row_and_catches_up_later(head_dir):
+    env = PRESETS["chain4"]
+    prop = _proposer(head_dir, env, num_blocks=4)      # 16 slots: one sequence of 9 pairs
+    ref = E.load_head(head_dir)
+    (ta, ra), (tb, rb) = _inputs(41, 9), _inputs(42, 9)
+    prop.update(1, ta, len(ta), [], ra)
+    prop.update(2, tb[:6], 6, [], rb[:6])
+    got, parents = prop.propose([1, 2])
+    assert (parents[0] != PAD).all() and (parents[1] == PAD).all()
+    prop.update(2, tb, 4, [], rb[6:])                   # B's rows wait for pages meanwhile
+    prop.release(1)
+    got, _ = prop.propose([2])
+    want = ref.draft_chain(torch.tensor([tb]), rb[None, 1:], env.depth)
+    assert got[0].tolist() == want[0].tolist()
+
+
+def test_missing_hidden_states_count_as_zero_features(head_dir):
+    env = PRESETS["chain4"]
+    prop = _proposer(head_dir, env)
+    ref = E.load_head(head_dir)
+    toks, _ = _inputs(43, 8)
+    prop.update(1, toks, len(toks), [], None)
+    got, _ = prop.propose([1])
+    want = ref.draft_chain(torch.tensor([toks]), torch.zeros(1, 8, C), env.depth)
+    assert got[0].tolist() == want[0].tolist()
 
 
 def test_every_tree_edge_is_in_the_reference_topk(head_dir):
