@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+from pathlib import Path
 import sys
 from collections.abc import Sequence
 
@@ -113,7 +114,28 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cache-dir", help="where random demo checkpoints are kept "
                    "(default ~/.cache/treespec)")
     m.add_argument("--startup-timeout", type=float, default=180.0)
+
+    a = sub.add_parser("bench-accept", help="acceptance of every proposer x envelope on "
+                       "held-out code (greedy)")
+    a.add_argument("--model", default="tiny-code", help="target (needs TRAINING.json)")
+    a.add_argument("--methods", default="ngram,model,eagle3")
+    a.add_argument("--envelopes", default="chain4,tree-small,tree-wide")
+    a.add_argument("--files", type=positive_int, default=20, help="held-out files used")
+    a.add_argument("--prompt-tokens", type=positive_int, default=128)
+    a.add_argument("--max-tokens", type=positive_int, default=64)
+    a.add_argument("--device", default="auto")
+    a.add_argument("--json", help="also write the rows to this file")
     return parser
+
+
+def bench_accept(args: argparse.Namespace) -> int:
+    from common import bench_accept as ba
+    print(ba.HEADER, flush=True)
+    rows = ba.run(args.model, args.envelopes.split(","), args.methods.split(","), args.files,
+                  args.prompt_tokens, args.max_tokens, args.device)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["identical"] for r in rows) else 1
 
 
 def _fields(args: argparse.Namespace, names: Sequence[str]) -> dict:
@@ -232,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "demo":
             from common.demo import run_demo
             return run_demo(args)
+        elif args.command == "bench-accept":
+            return bench_accept(args)
     except (ConfigError, NotImplementedError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,136 @@
+"""`treespec bench-accept`: how well each proposer x envelope speculates, greedy, on
+held-out Python code.
+
+For every configuration it starts a real draft service (gRPC on loopback) and a
+verify engine in this process, decodes a window of each held-out file, and
+reports mean tokens per step (bonus included), acceptance rate by tree depth
+(the fraction of steps whose accepted path reached depth d), the target forwards
+saved against plain decode, and whether the output equals plain greedy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.model_paths import resolve_model
+
+PROPOSERS = {"ngram": None, "model": "tiny-code-draft", "eagle3": "tiny-code-eagle3"}
+
+
+@dataclass
+class Tally:
+    """Adds up StepRecords of speculating steps (an EngineObserver, verify_service)."""
+
+    steps: int = 0
+    committed: int = 0
+    depth_hist: list[int] = field(default_factory=list)
+
+    def step_finished(self, record) -> None:
+        for depth, committed in zip(record.depth, record.committed):
+            self.steps += 1
+            self.committed += committed
+            while len(self.depth_hist) <= depth:
+                self.depth_hist.append(0)
+            self.depth_hist[depth] += 1
+
+    def __getattr__(self, name: str):          # the other observer hooks: no-ops
+        if name in ("submitted", "prefilled", "step_started", "finished", "close"):
+            return lambda *a, **k: None
+        if name == "draft_context":
+            return lambda: {}
+        raise AttributeError(name)
+
+    def row(self, depth: int) -> dict:
+        reach = [sum(self.depth_hist[d:]) / max(1, self.steps) for d in range(1, depth + 1)]
+        return {"tokens_per_step": self.committed / max(1, self.steps),
+                "accept_by_depth": reach,
+                "forwards_saved": 1 - self.steps / max(1, self.committed)}
+
+
+def held_out_prompts(target: Path, tokenizer, files: int, prompt_tokens: int) -> list[list[int]]:
+    info = json.loads((target / "TRAINING.json").read_text())
+    root = Path(sysconfig.get_paths()["stdlib"])
+    prompts = []
+    for name in info["held_out_files"][:files]:
+        ids = tokenizer.encode((root / name).read_text(errors="replace"))
+        prompts.append(ids[:prompt_tokens])
+    return prompts
+
+
+async def _decode(engine, prompts: list[list[int]], max_tokens: int, plain: bool) -> list[list[int]]:
+    from verify_service.request import GenRequest
+
+    async def one(p: list[int]) -> list[int]:
+        seq = engine.submit(GenRequest(tuple(p), max_tokens, ignore_eos=True, no_speculation=plain))
+        out: list[int] = []
+        while True:
+            o = await seq.out.get()
+            out += o.token_ids
+            if o.finish_reason:
+                return out
+    return [await one(p) for p in prompts]
+
+
+async def _config(target: str, method: str, draft: str | None, envelope: str,
+                  prompts: list[list[int]], max_tokens: int, device: str) -> dict:
+    from common.tree import envelope_from
+    from draft_service import server as draft_server
+    from draft_service.config import DraftConfig
+    from verify_service.config import VerifyConfig
+    from verify_service.server import build_engine
+
+    env = envelope_from(envelope)
+    dserver, dport, _ = await draft_server.start(DraftConfig(
+        method=method, envelope=env, model=draft, device=device))
+    engine, _ = build_engine(VerifyConfig(model=target, draft=f"127.0.0.1:{dport}",
+                                          device=device, step_deadline_ms=10_000))
+    tally = Tally()
+    engine.observer = tally
+    engine.link.start()
+    engine.start()
+    try:
+        for _ in range(500):
+            if engine.link.ready:
+                break
+            await asyncio.sleep(0.02)
+        plain = await _decode(engine, prompts, max_tokens, plain=True)
+        tally.steps = tally.committed = 0
+        tally.depth_hist = []
+        spec = await _decode(engine, prompts, max_tokens, plain=False)
+    finally:
+        await engine.stop()
+        await engine.link.close()
+        await dserver.stop(0.5)
+    return dict(tally.row(env.depth), identical=plain == spec)
+
+
+def run(target: str, envelopes: list[str], methods: list[str], files: int, prompt_tokens: int,
+        max_tokens: int, device: str) -> list[dict]:
+    from common.tokenizer import load_tokenizer
+    path = resolve_model(target)
+    tok = load_tokenizer(path)
+    if tok is None:
+        raise ValueError(f"{target} has no tokenizer; bench-accept needs one")
+    prompts = held_out_prompts(path, tok, files, prompt_tokens)
+    rows = []
+    for method in methods:
+        for env in envelopes:
+            draft = str(resolve_model(PROPOSERS[method])) if PROPOSERS[method] else None
+            r = asyncio.run(_config(str(path), method, draft, env, prompts, max_tokens, device))
+            rows.append(dict(proposer=method, envelope=env, **r))
+            print(format_row(rows[-1]), flush=True)
+    return rows
+
+
+def format_row(r: dict) -> str:
+    depth = " ".join(f"{x:.2f}" for x in r["accept_by_depth"])
+    return (f"| {r['proposer']} | {r['envelope']} | {r['tokens_per_step']:.2f} | {depth} | "
+            f"{100 * r['forwards_saved']:.0f}% | {'yes' if r['identical'] else 'NO'} |")
+
+
+HEADER = ("| proposer | envelope | tokens/step | accepted path reaches depth 1..D | "
+          "target forwards saved | output identical |\n| --- | --- | --- | --- | --- | --- |")
