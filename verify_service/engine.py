@@ -266,6 +266,8 @@ class VerifyEngine:
                       tree: TreeBatch | None, reason: Fallback | None, asked: bool,
                       t0: int, t1: int, t2: int) -> None:
         """Tell the observer what the step did; rows: (seq, drafted, depth, accepted, kept)."""
+        if isinstance(self.observer, NullObserver):
+            return                       # telemetry off: not even a record is built
         seqs = [r[0] for r in rows]
         self.observer.step_finished(StepRecord(
             step_id=self._step_id if asked else 0, batch=batch,
