@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def greedy_continue(model: Qwen3ForCausalLM, prompts: torch.Tensor, new_tokens: 
     """prompts [B, P] → [B, P + new_tokens], argmax decoding, EOS not special.
     use_cache=False recomputes the whole prefix each step (the reference)."""
     seq = prompts
-    out = model(input_ids=seq, use_cache=use_cache)
+    out = model(input_ids=seq, use_cache=use_cache, logits_to_keep=1)
     for i in range(new_tokens):
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         seq = torch.cat([seq, nxt], dim=1)
@@ -71,7 +72,7 @@ def greedy_continue(model: Qwen3ForCausalLM, prompts: torch.Tensor, new_tokens: 
                 warnings.simplefilter("ignore", FutureWarning)
                 out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
         else:
-            out = model(input_ids=seq, use_cache=False)
+            out = model(input_ids=seq, use_cache=False, logits_to_keep=1)
     return seq
 
 
@@ -82,7 +83,17 @@ def save_lm(model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast, path: Path,
     out.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id,
                                              pad_token_id=tok.eos_token_id)
     out.save_pretrained(path, safe_serialization=True)
+    save_tokenizer(tok, path)
+
+
+def save_tokenizer(tok: PreTrainedTokenizerFast, path: Path) -> None:
+    """tokenizer.json + tokenizer_config.json, the class named PreTrainedTokenizerFast
+    (transformers 5 writes its alias TokenizersBackend, which 4.x cannot resolve)."""
     tok.save_pretrained(path)
+    cfg_path = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def load_lm(path: Path, device: torch.device) -> Qwen3ForCausalLM:
