@@ -2,31 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import sys
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernels import reference as ref
+from triton_interpret import DEV, HAVE_TRITON, load as _load, needs_triton
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+pytestmark = needs_triton
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton is not installed")
-
-from kernels import reference as ref  # noqa: E402
-
-INTERPRET = os.environ["TRITON_INTERPRET"] not in ("0", "", "false", "False")
-DEV = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")
-
-
-def _load(name: str):
-    mod = sys.modules.get(name)
-    return importlib.reload(mod) if mod is not None else importlib.import_module(name)
-
-
-if importlib.util.find_spec("triton") is not None:
+if HAVE_TRITON:
     _load("kernels.triton_common")
     fused = _load("kernels.triton_fused")
 

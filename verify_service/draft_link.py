@@ -15,6 +15,7 @@ from typing import Literal
 import grpc
 
 from common import codec, wire
+from common.aio import cancel_and_wait
 from common.spec_types import DrafterInfo, SpecRequest, TreeBatch
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
@@ -48,12 +49,7 @@ class DraftLink:
 
     async def close(self) -> None:
         self._closed = True
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._task)
         await self._drop()
 
     async def _drop(self) -> None:

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from common.aio import cancel_and_wait
 from common.codec import Staging
 from common.errors import InvalidRequest, Unavailable
 from common.qwen3 import Qwen3Model
@@ -133,12 +134,7 @@ class VerifyEngine:
         for seq in list(self.waiting) + self.running:
             self.cancel(seq)
         self._wake.set()
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._task)
         self._reap(force=True)
         self._pool.shutdown(wait=True)
         self.observer.close()
