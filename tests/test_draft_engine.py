@@ -181,9 +181,3 @@ def test_model_engine_resyncs_and_frees_pages(draft_dir):
         eng.step(SpecRequest(step_id=3, seqs=[full(3, [96])]))
     eng.step(SpecRequest(step_id=4, seqs=[], released=[1, 2]))
     assert blocks.num_free == start and eng.num_sequences == 0
-
-
-def test_eagle3_is_refused_clearly():
-    cfg = DraftConfig(method="eagle3", model="whatever", envelope=ENV)
-    with pytest.raises(NotImplementedError, match="eagle3 is not implemented yet"):
-        DraftEngine(cfg)

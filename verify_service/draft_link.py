@@ -26,10 +26,11 @@ Fallback = Literal["no_draft", "disconnected", "busy", "deadline", "invalid_prop
 
 
 class DraftLink:
-    def __init__(self, addr: str, reconnect_s: float, vocab_size: int) -> None:
+    def __init__(self, addr: str, reconnect_s: float, vocab_size: int, num_layers: int) -> None:
         self.addr = addr
         self.reconnect_s = reconnect_s
         self.vocab_size = vocab_size
+        self.num_layers = num_layers
         self.info: DrafterInfo | None = None
         self.epoch = 0
         self._call: grpc.aio.StreamStreamCall | None = None
@@ -81,6 +82,10 @@ class DraftLink:
         if info.vocab_size > self.vocab_size:
             raise RuntimeError(f"draft vocabulary {info.vocab_size} exceeds the target's "
                                f"{self.vocab_size}; not using this draft")
+        bad = [i for i in info.target_hidden_layers if not 0 <= i <= self.num_layers]
+        if bad:
+            raise RuntimeError(f"draft wants hidden states of target layers {bad}, but the "
+                               f"target has layers 0..{self.num_layers}; not using this draft")
         self.info = info
         self._call = stub.Speculate()
         self._responses = asyncio.Queue()
