@@ -77,9 +77,20 @@ async def _hop_ms(draft_addr: str, prompt: list[int], iters: int = 50) -> float:
     return 1000 * sorted(times[5:])[len(times[5:]) // 2]
 
 
+def placement_devices(placement: str, device: str) -> tuple[str, str]:
+    """(draft device, verify device): both on `device`, or draft on cuda:0 and
+    verify on cuda:1 (issue 6's split; needs two visible GPUs)."""
+    if placement == "same":
+        return device, device
+    if placement == "split":
+        return "cuda:0", "cuda:1"
+    raise ValueError(f"placement must be same or split, got {placement!r}")
+
+
 def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
-            batches: list[int], corrupt: float, work: Path) -> dict:
-    res: dict = {}
+            batches: list[int], corrupt: float, work: Path, placement: str = "same") -> dict:
+    res: dict = {"placement": placement}
+    draft_device, device = placement_devices(placement, device)
     # 1. plain decode through the verify service (no draft): the baseline and the
     #    recorded greedy continuations the replay instrument proposes from.
     v = start("verify", verify_argv(target, device, None, max(batches)))
@@ -114,7 +125,7 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     #    measures what a draft costs, not what it buys).
     d = start("model-draft", cli_command("draft", "--method", "model", "--model", draft,
                                          "--envelope", "chain4", "--port", "0",
-                                         "--device", device))
+                                         "--device", draft_device))
     v = start("verify", verify_argv(target, device, d.addr, max(batches)))
     try:
         r = throughput(v.addr, prompts[:1], max_tokens, no_spec=False)

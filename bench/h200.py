@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--nodes", default="0,4,16,32,64")
     ap.add_argument("--sections", default="floor,hf,verify,e2e")
     ap.add_argument("--work", default="")
+    ap.add_argument("--placement", default="same", choices=["same", "split"],
+                    help="split: draft on cuda:0, verify on cuda:1 (two GPUs)")
     a = ap.parse_args()
     dev = torch.device(a.device)
     batches = [int(x) for x in a.batches.split(",")]
@@ -129,7 +131,7 @@ def main() -> None:
         prompts = [torch.randint(0, 151936, (a.ctx,), generator=gp).tolist()
                    for _ in range(max(batches))]
         r = run_e2e(str(target_dir), str(draft_dir), a.device, prompts, a.max_tokens,
-                    batches, corrupt_for(4.0, 4), work)
+                    batches, corrupt_for(4.0, 4), work, a.placement)
         out["e2e"] = r
         out["oracle4_tok_s"] = r["replay_b1"]["tok_s"]
         out["oracle4_tokens_per_step"] = r["replay_b1"]["tokens_per_step"]
