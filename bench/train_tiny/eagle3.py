@@ -292,9 +292,9 @@ def new_head(cfg: dict, target, draft_ids: torch.Tensor, d2t: torch.Tensor,
         if isinstance(mod, nn.Linear):
             nn.init.normal_(mod.weight, std=0.02)
     with torch.no_grad():
-        emb = target.get_input_embeddings().weight.detach().float().cpu()
-        head.embed_tokens.weight.copy_(emb)
-        head.lm_head.weight.copy_(target.get_output_embeddings().weight.detach().float().cpu()[draft_ids])
+        head.embed_tokens.weight.copy_(target.get_input_embeddings().weight.detach().cpu())
+        out_rows = target.get_output_embeddings().weight.detach().cpu()[draft_ids]
+        head.lm_head.weight.copy_(out_rows)
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
     head.embed_tokens.weight.requires_grad_(False)

@@ -113,6 +113,7 @@ def eagle_heldout_top1(head: Eagle3Head, tap: TargetTap, windows: torch.Tensor,
         t = w.shape[1] - steps
         logits = head.unrolled(feats[:, :t].float(), w[:, 1:t + steps], steps)
         for k, lg in enumerate(logits):
-            hits[k] += float((head.to_target(lg.argmax(-1)) == z[:, 1 + k:1 + k + t].argmax(-1)).sum())
+            agree = head.to_target(lg.argmax(-1)) == z[:, 1 + k:1 + k + t].argmax(-1)
+            hits[k] += float(agree.sum())
         count += w.shape[0] * t
     return (hits / count).tolist()
