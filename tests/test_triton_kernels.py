@@ -8,34 +8,19 @@ imported. With ``TRITON_INTERPRET=0`` on a CUDA machine the same tests run compi
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-import os
-import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from common.accept import commit_plan
+from kernels import reference as ref
+from triton_interpret import DEV, HAVE_TRITON, INTERPRET, load as _load, needs_triton
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton is not installed")
-
-from common.accept import commit_plan  # noqa: E402
-from kernels import reference as ref  # noqa: E402
-
-INTERPRET = os.environ["TRITON_INTERPRET"] not in ("0", "", "false", "False")
-DEV = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")
+pytestmark = needs_triton
 
 
-def _load(name: str):
-    """Import (or re-import, should an earlier import predate TRITON_INTERPRET)."""
-    mod = sys.modules.get(name)
-    return importlib.reload(mod) if mod is not None else importlib.import_module(name)
-
-
-if importlib.util.find_spec("triton") is not None:
+if HAVE_TRITON:
     _load("kernels.triton_common")
     attn_mod = _load("kernels.triton_tree_attention")
     kv_mod = _load("kernels.triton_kv")
