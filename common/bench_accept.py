@@ -56,7 +56,8 @@ def held_out_prompts(target: Path, tokenizer, files: int, prompt_tokens: int) ->
     root = Path(sysconfig.get_paths()["stdlib"])
     prompts = []
     for name in info["held_out_files"][:files]:
-        ids = tokenizer.encode((root / name).read_text(errors="replace"))
+        text = (root / name).read_text(errors="replace")[:prompt_tokens * 16]
+        ids = tokenizer.encode(text)
         prompts.append(ids[:prompt_tokens])
     return prompts
 
