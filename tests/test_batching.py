@@ -84,3 +84,41 @@ def test_bad_requests_are_invalid_argument(target_dir, kw, message):
     err, good, free = asyncio.run(go())
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT and message in err.details
     assert good.token_ids == greedy_reference(target_dir, [1, 2, 3], 4) and free
+
+
+def test_a_failing_prefill_returns_pages_and_tells_the_client(target_dir):
+    """An exception inside a forward fails that iteration's requests cleanly."""
+    async def go():
+        async with services(target_dir, None) as h:
+            engine = h["engine"]
+            real = engine.verifier.prefill
+            calls = {"n": 0}
+
+            def flaky(*a):
+                calls["n"] += 1
+                if calls["n"] == 1:
+                    raise RuntimeError("injected prefill failure")
+                return real(*a)
+            engine.verifier.prefill = flaky
+            async with AsyncTreespecClient(h["addr"]) as c:
+                first = await c.generate(prompt_ids=[1, 2, 3], max_tokens=5, ignore_eos=True)
+                second = await c.generate(prompt_ids=[1, 2, 3], max_tokens=5, ignore_eos=True)
+            await asyncio.sleep(0.1)
+            return first, second, engine.kv_pages_used
+    first, second, used = asyncio.run(go())
+    assert first.finish_reason == "cancelled" and first.token_ids == []
+    assert second.token_ids == greedy_reference(target_dir, [1, 2, 3], 5)
+    assert used == 0
+
+
+def test_one_token_requests_finish_at_prefill(target_dir):
+    async def go():
+        async with services(target_dir, "ngram") as h:
+            async with AsyncTreespecClient(h["addr"]) as c:
+                outs = await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=1,
+                                                         ignore_eos=True) for p in PROMPTS[:3]])
+            return outs, h["engine"].kv_pages_used
+    outs, used = asyncio.run(go())
+    for p, o in zip(PROMPTS, outs):
+        assert o.token_ids == greedy_reference(target_dir, p, 1) and o.stats["steps"] == 0
+    assert used == 0

@@ -199,6 +199,8 @@ class VerifyEngine:
             batch.append(seq)
         if not batch:
             return
+        # running from here on, so a failed prefill is reaped (pages back, clients told)
+        self.running.extend(batch)
         t0 = time.time_ns()
         firsts, feats = await self._compute(self.verifier.prefill, [s.pages for s in batch],
                                             [list(s.tokens) for s in batch])
@@ -206,7 +208,6 @@ class VerifyEngine:
             seq.hidden = feats[i] if feats is not None else None
             kept = seq.commit([tok])
             seq.unsent = []          # the draft will hear the whole list at first sync
-            self.running.append(seq)
             seq.emit(kept)
         self.observer.prefilled(batch, t0, time.time_ns())
         for seq in batch:
@@ -287,7 +288,9 @@ class VerifyEngine:
             s.accepted_step = self._step_id
 
     async def _step(self) -> None:
-        seqs = list(self.running)
+        seqs = [s for s in self.running if s.finish is None and not s.cancelled]
+        if not seqs:
+            return
         t0 = time.time_ns()
         self.observer.step_started(seqs)
         # a drafter that reads hidden states can only serve sequences whose history
