@@ -101,12 +101,13 @@ def test_a_failing_prefill_returns_pages_and_tells_the_client(target_dir):
                 return real(*a)
             engine.verifier.prefill = flaky
             async with AsyncTreespecClient(h["addr"]) as c:
-                first = await c.generate(prompt_ids=[1, 2, 3], max_tokens=5, ignore_eos=True)
+                with pytest.raises(TreespecError) as err:
+                    await c.generate(prompt_ids=[1, 2, 3], max_tokens=5, ignore_eos=True)
                 second = await c.generate(prompt_ids=[1, 2, 3], max_tokens=5, ignore_eos=True)
             await asyncio.sleep(0.1)
-            return first, second, engine.kv_pages_used
-    first, second, used = asyncio.run(go())
-    assert first.finish_reason == "cancelled" and first.token_ids == []
+            return err.value, second, engine.kv_pages_used
+    err, second, used = asyncio.run(go())
+    assert err.code == grpc.StatusCode.INTERNAL and "injected prefill failure" in err.details
     assert second.token_ids == greedy_reference(target_dir, [1, 2, 3], 5)
     assert used == 0
 

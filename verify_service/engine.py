@@ -153,10 +153,11 @@ class VerifyEngine:
                     await self._step()
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as e:
                 log.exception("engine iteration failed; failing its requests")
                 for seq in self.running:
                     seq.cancelled = True
+                    seq.error = f"the engine failed this request: {type(e).__name__}: {e}"
             await asyncio.sleep(0)
 
     async def _compute(self, fn, *args):

@@ -35,3 +35,4 @@ class StepOutput:
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     stats: Stats = field(default_factory=Stats)
+    error: str | None = None      # the engine failed this request (not the client's fault)

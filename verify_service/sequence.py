@@ -28,6 +28,7 @@ class Sequence:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     finish: FinishReason | None = None
     cancelled: bool = False
+    error: str | None = None          # set when the engine failed this sequence
     # What the draft has heard of this sequence (it is a cache; we are the authority).
     draft_synced: bool = False
     unsent: list[int] = field(default_factory=list)   # committed since the last update
@@ -68,4 +69,4 @@ class Sequence:
 
     def emit(self, kept: list[int]) -> None:
         stats = Stats(**vars(self.stats)) if self.finish else self.stats
-        self.out.put_nowait(StepOutput(kept, self.finish, stats))
+        self.out.put_nowait(StepOutput(kept, self.finish, stats, self.error))

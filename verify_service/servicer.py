@@ -15,6 +15,10 @@ from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 from verify_service.engine import VerifyEngine
 from verify_service.request import GenRequest, Stats
 
+class EngineFailure(RuntimeError):
+    """The engine could not finish a request; the interceptor maps it to INTERNAL."""
+
+
 FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP,
           "cancelled": pb.FINISH_REASON_CANCELLED}
 
@@ -52,6 +56,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             while True:
                 out = await seq.out.get()
+                if out.error is not None:
+                    raise EngineFailure(out.error)
                 done = out.finish_reason is not None
                 msg = pb.GenerateResponse(token_ids=out.token_ids,
                                           text=detok.push(out.token_ids, final=done))
