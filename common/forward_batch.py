@@ -71,3 +71,36 @@ def build_forward_batch(chunks: list[Chunk], cache: PagedKVCache) -> ForwardBatc
         context_lens=t([c.seq.kv_len for c in chunks], torch.int32),
         cu_q=t(cu, torch.int32), chunk_parents=t(parents, torch.int32),
         last=t([x - 1 for x in cu[1:]], torch.int64))
+
+
+def device_forward_batch(tokens: torch.Tensor, chunk_parents: torch.Tensor,
+                         depths: torch.Tensor, context_lens: torch.Tensor,
+                         block_tables: torch.Tensor, block_size: int) -> ForwardBatch:
+    """The same layout for B chunks of one length T, built on the device with no
+    host sync (what a CUDA graph can hold).
+
+    tokens [B, T] ints; chunk_parents [B, T] int32; depths [B, T] or [T] position
+    offsets from each context_lens[b]; block_tables [B, P] int32 covering slots
+    up to context_lens[b] + T. Chunk query i of sequence b writes slot
+    context_lens[b] + i.
+    """
+    b, t = tokens.shape
+    dev = tokens.device
+    ctx = context_lens.long().unsqueeze(1)                                  # [B, 1]
+    pos = ctx + torch.arange(t, device=dev).unsqueeze(0)                    # [B, T]
+    pages = torch.gather(block_tables.long(), 1, pos // block_size)
+    return ForwardBatch(
+        input_ids=tokens.long().reshape(-1),
+        positions=(ctx + depths.long().expand(b, t)).reshape(-1),
+        slots=(pages * block_size + pos % block_size).reshape(-1),
+        block_tables=block_tables, context_lens=context_lens,
+        cu_q=torch.arange(b + 1, device=dev, dtype=torch.int32) * t,
+        chunk_parents=chunk_parents.to(torch.int32).reshape(-1),
+        last=torch.arange(b, device=dev) * t + t - 1)
+
+
+def page_table(seqs: list[SeqPages], device: torch.device, fill: int = 0) -> torch.Tensor:
+    """[B, max pages] int32 page tables, padded with `fill`."""
+    width = max(len(s.pages) for s in seqs)
+    rows = [s.pages + [fill] * (width - len(s.pages)) for s in seqs]
+    return torch.tensor(rows, dtype=torch.int32, device=device)

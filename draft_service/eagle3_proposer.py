@@ -44,7 +44,7 @@ import torch
 from common.block_manager import OutOfPages
 from common.devices import pick_device, pick_dtype
 from common.errors import InvalidRequest
-from common.forward_batch import Chunk, build_forward_batch, chain_chunk
+from common.forward_batch import build_forward_batch, chain_chunk, device_forward_batch, page_table
 from common.kv_cache import PagedKVCache, SeqPages
 from common.model_paths import resolve_model
 from common.tree import TreeEnvelope
@@ -164,13 +164,16 @@ class Eagle3Proposer:
         exp = Expansion(head.logits(root, ops).log_softmax(-1), env.topk, env.depth)
         b, k, hid = len(seqs), env.topk, root.shape[-1]
         prev = root.new_zeros(b, 0, hid)               # [B, (level-1)*K, H] last chunk's outputs
+        dev = self.cache.device
+        ctx = torch.tensor([st.pages.kv_len for st in seqs], dtype=torch.int32, device=dev)
+        table = page_table([st.pages for st in seqs], dev)
         for level in range(1, env.depth):
             tok, par, depths = exp.chunk(level)                            # [B, level*K]
             src = torch.cat([root.unsqueeze(1), prev], 1)                  # parent -1 = root
             hin = src.gather(1, (par + 1).unsqueeze(-1).expand(-1, -1, hid))
-            tgt = head.to_target(tok)
-            fb = build_forward_batch([Chunk(st.pages, t, p, depths) for st, t, p
-                                      in zip(seqs, tgt.tolist(), par.tolist())], self.cache)
+            fb = device_forward_batch(head.to_target(tok), par,
+                                      torch.tensor(depths, device=dev), ctx, table,
+                                      self.cache.block_size)
             prev = head(fb, self.cache, ops, hin.view(b * level * k, hid))
             prev = prev.view(b, level * k, hid)
             newest = prev[:, (level - 1) * k:]                             # [B, K, H]

@@ -32,7 +32,7 @@ import torch
 
 from common.block_manager import OutOfPages
 from common.devices import bind_device, pick_device, pick_dtype
-from common.forward_batch import Chunk, build_forward_batch, chain_chunk
+from common.forward_batch import build_forward_batch, chain_chunk, device_forward_batch, page_table
 from common.kv_cache import PagedKVCache, SeqPages
 from common.model_paths import resolve_model
 from common.qwen3 import Qwen3Model
@@ -181,10 +181,13 @@ class ModelProposer:
         for st in seqs:
             st.pages.kv_len = len(st.tokens)
         exp = Expansion(logp, env.topk, env.depth)
+        dev = self.cache.device
+        ctx = torch.tensor([st.pages.kv_len for st in seqs], dtype=torch.int32, device=dev)
+        table = page_table([st.pages for st in seqs], dev)
         for level in range(1, env.depth):
             tok, par, depths = exp.chunk(level)                       # [B, level*K]
-            fb = build_forward_batch([Chunk(st.pages, t, p, depths) for st, t, p
-                                      in zip(seqs, tok.tolist(), par.tolist())], self.cache)
+            fb = device_forward_batch(tok, par, torch.tensor(depths, device=dev), ctx, table,
+                                      self.cache.block_size)
             hidden, _ = self.net(fb, self.cache, self.ops)             # [B*level*K, H]
             newest = hidden.view(len(seqs), level * env.topk, -1)[:, (level - 1) * env.topk:]
             exp.grow(level, self.net.logits(newest).log_softmax(-1))  # [B, K, V]

@@ -15,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from common.forward_batch import ForwardBatch
+from common.forward_batch import device_forward_batch
 from common.kv_cache import PagedKVCache
 from common.qwen3 import Qwen3Model
 from common.tree import verify_chunk_layout
@@ -32,21 +32,11 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
     path are junk). Advancing kv_len is the caller's."""
     b, n = tokens.shape
     t = n + 1
-    dev = tokens.device
-    bs = cache.block_size
     chunk_parents, depths = verify_chunk_layout(parents)                 # [B, T]
     ctx = context_lens.long().unsqueeze(1)                               # [B, 1]
-    offs = torch.arange(t, device=dev).unsqueeze(0)                      # [1, T]
-    pos_in_seq = ctx + offs                                              # slot positions
-    pages = torch.gather(block_tables.long(), 1, pos_in_seq // bs)
-    fb = ForwardBatch(
-        input_ids=torch.cat([roots.long().unsqueeze(1), tokens.long()], 1).view(-1),
-        positions=(ctx + depths.long()).view(-1),
-        slots=(pages * bs + pos_in_seq % bs).view(-1),
-        block_tables=block_tables, context_lens=context_lens,
-        cu_q=(torch.arange(b + 1, device=dev, dtype=torch.int32) * t),
-        chunk_parents=chunk_parents.view(-1),
-        last=(torch.arange(b, device=dev) * t + t - 1))
+    fb = device_forward_batch(torch.cat([roots.long().unsqueeze(1), tokens.long()], 1),
+                              chunk_parents, depths, context_lens, block_tables,
+                              cache.block_size)
     hidden, captured = model(fb, cache, ops, capture)
     target_ids = model.greedy(hidden).view(b, t)                         # [B, T]
     accepted, num, bonus = ops.accept_greedy(tokens, parents, target_ids, depth)
