@@ -11,6 +11,7 @@ import time
 import pytest
 
 import services
+from common.demo_checkpoints import shipped_pair
 from common.launch import child_env, cli_command
 
 pytestmark = pytest.mark.skipif(services.servers_missing() is not None,
@@ -41,11 +42,14 @@ def test_demo_runs_and_reports(tmp_path):
                           stdin=subprocess.DEVNULL)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
-    assert "RANDOM weights" in out and "Proposer: ngram." in out
+    if shipped_pair() is not None:        # the package ships trained checkpoints
+        assert "shipped checkpoints tiny-code" in out and "Proposer: model." in out
+    else:
+        assert "RANDOM weights" in out and "Proposer: ngram." in out
+        assert (tmp_path / "demo-random-v1" / "target" / "tokenizer.json").exists()
     assert re.search(r"^plain decode +[\d.]+ +24 +23 +0 +0 +1\.00 ", out, re.M), out
     assert re.search(r"^speculative +[\d.]+ +24 ", out, re.M), out
     assert "identical output with and without speculation: yes" in out
-    assert (tmp_path / "demo-random-v1" / "target" / "tokenizer.json").exists()
     pids = [int(m.group(2)) for m in PID.finditer(out)]
     assert len(pids) == 2 and wait_gone(pids)
 
