@@ -14,6 +14,7 @@ from types import ModuleType
 import torch
 
 from common.cuda_graph import StaticGraph
+from common.forward_batch import page_table
 from common.kv_cache import PagedKVCache, SeqPages
 from common.qwen3 import Qwen3Model
 from verify_service.device_step import fixed_step
@@ -81,8 +82,7 @@ class GraphVerifier(Verifier):
         ctx = torch.zeros(b, dtype=torch.int32)
         ctx[:real] = torch.tensor([sp.kv_len for sp in pages])
         table = torch.full((b, p), self.scratch, dtype=torch.int32)
-        for i, sp in enumerate(pages):
-            table[i, :len(sp.pages)] = torch.tensor(sp.pages)
+        table[:real, :width] = page_table(pages, torch.device("cpu"), fill=self.scratch)
         dev = self.cache.device
         args = [x.pin_memory() if dev.type == "cuda" else x
                 for x in (host_roots, host_tokens, host_parents, ctx, table)]
