@@ -5,14 +5,19 @@ its arguments into them and replays; an argument of any other shape or dtype is
 refused with ``ShapeMismatch`` (a silent replay at another shape would read stale
 buffers and break losslessness). Without CUDA (or with capture=False) the same
 object runs the function eagerly over the same buffers, so the checks and the
-data flow are tested on the CPU too.
+data flow are tested on the CPU too; a capture that fails on the GPU falls back
+to that eager path with a warning.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import logging
+
 import torch
+
+log = logging.getLogger("treespec.cuda_graph")
 
 
 class ShapeMismatch(ValueError):
@@ -29,7 +34,13 @@ class StaticGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, ...] = ()
         if capture and example and example[0].device.type == "cuda":
-            self._capture(pool, warmup)
+            try:
+                self._capture(pool, warmup)
+            except Exception as e:   # a fallback, not a fake: the same fn, run eagerly
+                log.warning("CUDA graph capture failed (%s: %s); running eagerly",
+                            type(e).__name__, e)
+                torch.cuda.synchronize()
+                self.graph = None
 
     def _capture(self, pool: object | None, warmup: int) -> None:
         side = torch.cuda.Stream()
