@@ -32,14 +32,14 @@ import torch
 
 from common.block_manager import OutOfPages
 from common.devices import bind_device, pick_device, pick_dtype
-from common.forward_batch import build_forward_batch, chain_chunk, device_forward_batch, page_table
+from common.forward_batch import build_forward_batch, chain_chunk, page_table
 from common.kv_cache import PagedKVCache, SeqPages
 from common.model_paths import resolve_model
 from common.qwen3 import Qwen3Model
 from common.tree import ROOT, TreeEnvelope
 from draft_service.config import DraftConfig
 from draft_service.proposer import padding_trees
-from draft_service.tree_build import Expansion
+from draft_service.graph_expansion import GraphExpander, expand, level_depths
 from kernels.dispatch import select
 
 
@@ -67,6 +67,10 @@ class ModelProposer:
         self.target_hidden_layers: tuple[int, ...] = ()
         self.model = model_name
         self._seqs: OrderedDict[int, _Seq] = OrderedDict()
+        # on a GPU the expansion replays a CUDA graph per batch bucket
+        self.expander = GraphExpander(model, self.cache, ops, env) \
+            if model.device.type == "cuda" else None
+        self._depths = level_depths(env, model.device)
 
     @classmethod
     def from_config(cls, cfg: DraftConfig) -> "ModelProposer":
@@ -180,15 +184,9 @@ class ModelProposer:
         logp = self.net.logits(hidden[fb.last]).log_softmax(-1)       # [B, V]
         for st in seqs:
             st.pages.kv_len = len(st.tokens)
-        exp = Expansion(logp, env.topk, env.depth)
+        if self.expander is not None:
+            return self.expander(logp, [st.pages for st in seqs])
         dev = self.cache.device
         ctx = torch.tensor([st.pages.kv_len for st in seqs], dtype=torch.int32, device=dev)
-        table = page_table([st.pages for st in seqs], dev)
-        for level in range(1, env.depth):
-            tok, par, depths = exp.chunk(level)                       # [B, level*K]
-            fb = device_forward_batch(tok, par, torch.tensor(depths, device=dev), ctx, table,
-                                      self.cache.block_size)
-            hidden, _ = self.net(fb, self.cache, self.ops)             # [B*level*K, H]
-            newest = hidden.view(len(seqs), level * env.topk, -1)[:, (level - 1) * env.topk:]
-            exp.grow(level, self.net.logits(newest).log_softmax(-1))  # [B, K, V]
-        return exp.rerank(env.num_nodes)
+        return expand(self.net, self.cache, self.ops, env, self._depths, logp, ctx,
+                      page_table([st.pages for st in seqs], dev))
