@@ -12,13 +12,16 @@ def pick_device(name: str) -> torch.device:
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} asked for, but no CUDA device is visible")
+    if dev.type == "cuda" and dev.index is None:
+        # 'cuda' means the current device; name it, so set_device and graphs can use it
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
 def bind_device(dev: torch.device) -> None:
     """Make dev the current CUDA device, so streams, graphs and pinned staging made
     without an explicit device land on it (no-op on the CPU)."""
-    if dev.type == "cuda":
+    if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
 
 

@@ -1,0 +1,129 @@
+"""Where a plain decode step's time goes, on the GPU: wall step vs graph replay vs
+the kernels inside it, and each projection's GEMV against the copy bandwidth.
+
+    python bench/profile_step.py --out DIR [--shape qwen3-8b] [--ctx 1024]
+
+Writes DIR/profile.json (timings) and DIR/kernels.txt (torch.profiler table of one
+eager step, by CUDA time). Random weights; nothing here is a result for users, it
+explains the gap between bench/h200.py's plain step and its floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench import shapes  # noqa: E402
+from bench.inproc_bench import copy_bandwidth  # noqa: E402
+from common.kv_cache import SeqPages  # noqa: E402
+from common.model_config import Qwen3Spec  # noqa: E402
+from common.qwen3 import Qwen3Model  # noqa: E402
+from kernels.dispatch import select  # noqa: E402
+from verify_service.graph_verifier import GraphVerifier  # noqa: E402
+
+
+def random_model(name: str, dev: torch.device) -> Qwen3Model:
+    spec = Qwen3Spec.from_dict(shapes.config(name).to_dict())
+    with torch.device(dev):
+        model = Qwen3Model(spec).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    return model.eval().requires_grad_(False)
+
+
+def cuda_ms(fn, iters: int = 50) -> float:
+    """Mean device ms of fn() replayed from a CUDA graph of iters calls."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t0) / (3 * iters)
+
+
+def gemv_table(model: Qwen3Model, bw: float) -> dict:
+    """Each projection of one layer (and the LM head) at batch 1: ms and share of bw."""
+    layer = model.layers[0]
+    out = {}
+    for name, lin in [("qkv", layer.qkv), ("o_proj", layer.o_proj),
+                      ("gate_up", layer.gate_up), ("down", layer.down),
+                      ("lm_head", model.lm_head)]:
+        x = torch.randn(1, lin.in_features, device=model.device, dtype=model.dtype)
+        ms = cuda_ms(lambda: lin(x))
+        nbytes = lin.weight.numel() * 2
+        rate = nbytes / (ms / 1000)
+        out[name] = {"ms": ms, "tb_s": rate / 1e12, "of_copy_bw": rate / bw}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--ctx", type=int, default=1024)
+    a = ap.parse_args()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res: dict = {"shape": a.shape, "ctx": a.ctx}
+    bw = copy_bandwidth(dev)
+    res["copy_tb_s"] = bw / 1e12
+    model = random_model(a.shape, dev)
+    weight_bytes = sum(p.numel() for n, p in model.named_parameters() if n != "embed.weight") * 2
+    res["read_floor_ms"] = 1000 * weight_bytes / bw     # weights a step reads (no embedding)
+    res["gemv"] = gemv_table(model, bw)
+    L = model.spec.num_layers
+    res["gemv_sum_ms"] = L * sum(res["gemv"][k]["ms"] for k in ("qkv", "o_proj", "gate_up",
+                                                              "down")) + res["gemv"]["lm_head"]["ms"]
+    ops = select(dev, "auto")
+    bs = 16
+    cache = model.new_cache(-(-(a.ctx + 8) // bs) + 8, bs)
+    prompt = torch.randint(0, model.spec.vocab_size, (a.ctx,)).tolist()
+    for capture, label in ((True, "graph"), (False, "eager")):
+        ver = GraphVerifier(model, cache, ops, capture=capture)
+        pages = [SeqPages()]
+        roots, _ = ver.prefill(pages, [prompt])
+        times = []
+        for _ in range(30):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            ver.step(pages, roots, None, None, 0)
+            times.append(time.perf_counter() - t0)
+            pages[0].kv_len = a.ctx
+        res[f"{label}_step_ms"] = 1000 * sorted(times[5:])[len(times[5:]) // 2]
+        if capture:
+            g = next(iter(ver.graphs.values()))
+            res["replay_ms"] = cuda_ms(lambda: g.graph.replay(), iters=20)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    ver.step(pages, roots, None, None, 0)
+                    pages[0].kv_len = a.ctx
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+            (out_dir / "kernels.txt").write_text("5 eager plain steps\n" + table)
+        cache.release(pages[0])
+        del ver
+    (out_dir / "profile.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
