@@ -113,8 +113,13 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     try:
         for b in batches:
             r = throughput(v.addr, prompts[:b], max_tokens, no_spec=False)
-            lossless = r.pop("ids") == [x["continuation"] for x in records[:b]]
-            res[f"replay_b{b}"] = dict(r, lossless=lossless)
+            ids = r.pop("ids")
+            refs = [x["continuation"] for x in records[:b]]
+            lossless = ids == refs
+            # where each sequence first left plain decode's tokens (None: never)
+            first = [next((i for i, (x, y) in enumerate(zip(o, ref)) if x != y), None)
+                     for o, ref in zip(ids, refs)]
+            res[f"replay_b{b}"] = dict(r, lossless=lossless, first_divergence=first)
             print(f"replay b={b}: {r['tok_s']:.1f} tok/s, {r['tokens_per_step']:.2f} "
                   f"tok/step, lossless={lossless}", flush=True)
         res["hop_ms"] = asyncio.run(_hop_ms(d.addr, prompts[0]))
@@ -131,7 +136,12 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
         r = throughput(v.addr, prompts[:1], max_tokens, no_spec=False)
         r.pop("ids")
         res["model_b1"] = r
-        print(f"draft-model b=1: {r['tok_s']:.1f} tok/s", flush=True)
+        print(f"draft-model b=1: {r['tok_s']:.1f} tok/s, {r['fallback_steps']} fallback "
+              "steps", flush=True)
+        if r["fallback_steps"]:
+            res["model_logs"] = {"draft": d.output(60), "verify": v.output(60)}
+            print("draft service output:\n" + d.output(60), flush=True)
+            print("verify service output:\n" + v.output(60), flush=True)
     finally:
         v.stop()
         d.stop()

@@ -29,10 +29,6 @@ from bench.e2e_bench import run_e2e  # noqa: E402
 from bench.inproc_bench import (copy_bandwidth, hf_decode_tok_s, ours_from_hf,  # noqa: E402
                                 verify_latency_ms)
 
-shapes.SHAPES["tiny"] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                             tie_word_embeddings=True)
-
 
 def corrupt_for(tokens_per_step: float, depth: int) -> float:
     """Per-token corruption rate whose expected tokens/step on a chain is the target:

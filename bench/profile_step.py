@@ -22,6 +22,7 @@ import torch  # noqa: E402
 
 from bench import shapes  # noqa: E402
 from bench.inproc_bench import copy_bandwidth  # noqa: E402
+from common.devices import pick_device  # noqa: E402
 from common.kv_cache import SeqPages  # noqa: E402
 from common.model_config import Qwen3Spec  # noqa: E402
 from common.qwen3 import Qwen3Model  # noqa: E402
@@ -33,6 +34,7 @@ def random_model(name: str, dev: torch.device) -> Qwen3Model:
     spec = Qwen3Spec.from_dict(shapes.config(name).to_dict())
     with torch.device(dev):
         model = Qwen3Model(spec).to(torch.bfloat16)
+    model.inv_freq = model.inv_freq.float()     # .to() cast the RoPE buffer too
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -78,7 +80,7 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--ctx", type=int, default=1024)
     a = ap.parse_args()
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = pick_device("cuda")
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     res: dict = {"shape": a.shape, "ctx": a.ctx}

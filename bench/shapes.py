@@ -17,6 +17,10 @@ SHAPES: dict[str, dict] = {
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        tie_word_embeddings=True),
+    # a smoke-test shape for the CPU and for shaking out the GPU path quickly
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 tie_word_embeddings=True),
 }
 EOS = 151645
 
