@@ -87,53 +87,83 @@ def placement_devices(placement: str, device: str) -> tuple[str, str]:
     raise ValueError(f"placement must be same or split, got {placement!r}")
 
 
-def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
-            batches: list[int], corrupt: float, work: Path, placement: str = "same") -> dict:
-    res: dict = {"placement": placement}
-    draft_device, device = placement_devices(placement, device)
-    # 1. plain decode through the verify service (no draft): the baseline and the
-    #    recorded greedy continuations the replay instrument proposes from.
-    v = start("verify", verify_argv(target, device, None, max(batches)))
+def first_divergence(ids: list[list[int]], refs: list[list[int]]) -> list[int | None]:
+    """Per sequence, the first position where ids leave refs (None: never)."""
+    return [next((i for i, (x, y) in enumerate(zip(o, r)) if x != y), None)
+            for o, r in zip(ids, refs)]
+
+
+def replay_phase(target: str, device: str, work: Path, label: str, corrupt: float,
+                 sets: dict[int, list[list[int]]], max_tokens: int,
+                 refs: dict[int, list[list[int]]], plain: dict[int, list[list[int]]],
+                 res: dict, hop: bool = False) -> dict[int, list[list[int]]]:
+    """Both services with the replay instrument proposing refs; returns the outputs."""
+    cont = work / f"{label}_continuations.json"
+    cont.write_text(json.dumps([{"prompt": p, "continuation": c} for b in sets
+                                for p, c in zip(sets[b], refs[b])]))
+    d = start(f"{label}-draft", [sys.executable, str(BENCH / "replay.py"), "--continuations",
+                                 str(cont), "--corrupt", str(corrupt), "--port", "0"])
+    v = start("verify", verify_argv(target, device, d.addr, max(sets)))
+    outs: dict[int, list[list[int]]] = {}
     try:
-        for b in batches:
-            r = throughput(v.addr, prompts[:b], max_tokens, no_spec=True)
-            res[f"plain_b{b}"] = {k: x for k, x in r.items() if k != "ids"}
-            print(f"plain b={b}: {r['tok_s']:.1f} tok/s", flush=True)
-            if b == max(batches):
-                records = [{"prompt": p, "continuation": ids}
-                           for p, ids in zip(prompts[:b], r["ids"])]
-    finally:
-        v.stop()
-    cont = work / "continuations.json"
-    cont.write_text(json.dumps(records))
-    # 2. replay instrument (chain of 4) through both services.
-    d = start("replay-draft", [sys.executable, str(BENCH / "replay.py"), "--continuations",
-                               str(cont), "--corrupt", str(corrupt), "--port", "0"])
-    v = start("verify", verify_argv(target, device, d.addr, max(batches)))
-    try:
-        for b in batches:
-            r = throughput(v.addr, prompts[:b], max_tokens, no_spec=False)
-            ids = r.pop("ids")
-            refs = [x["continuation"] for x in records[:b]]
-            lossless = ids == refs
-            # where each sequence first left plain decode's tokens (None: never)
-            first = [next((i for i, (x, y) in enumerate(zip(o, ref)) if x != y), None)
-                     for o, ref in zip(ids, refs)]
-            res[f"replay_b{b}"] = dict(r, lossless=lossless, first_divergence=first)
-            print(f"replay b={b}: {r['tok_s']:.1f} tok/s, {r['tokens_per_step']:.2f} "
-                  f"tok/step, lossless={lossless}", flush=True)
-        res["hop_ms"] = asyncio.run(_hop_ms(d.addr, prompts[0]))
+        for b, prompts in sets.items():
+            r = throughput(v.addr, prompts, max_tokens, no_spec=False)
+            outs[b] = r.pop("ids")
+            vs_ref, vs_plain = first_divergence(outs[b], refs[b]), first_divergence(outs[b], plain[b])
+            res[f"{label}_b{b}"] = dict(
+                r, lossless=all(f is None for f in vs_plain), first_divergence=vs_plain,
+                identical_to_reference=all(f is None for f in vs_ref),
+                reference_divergence=vs_ref)
+            print(f"{label} b={b}: {r['tok_s']:.1f} tok/s, {r['tokens_per_step']:.2f} tok/step,"
+                  f" equal to plain decode: {res[f'{label}_b{b}']['lossless']}, to its "
+                  f"reference: {res[f'{label}_b{b}']['identical_to_reference']}", flush=True)
+        if hop:
+            res["hop_ms"] = asyncio.run(_hop_ms(d.addr, next(iter(sets.values()))[0]))
     finally:
         v.stop()
         d.stop()
-    # 3. the draft-model proposer (random weights: acceptance is near zero, so this
+    return outs
+
+
+def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
+            batches: list[int], corrupt: float, work: Path, placement: str = "same") -> dict:
+    """prompts: at least sum(batches); each batch size gets its own prompts, so each
+    replay reference is recorded at the batch shape it is replayed at."""
+    res: dict = {"placement": placement}
+    draft_device, device = placement_devices(placement, device)
+    sets, at = {}, 0
+    for b in batches:
+        sets[b], at = prompts[at:at + b], at + b
+    # 1. plain decode through the verify service (no draft): the baseline.
+    v = start("verify", verify_argv(target, device, None, max(batches)))
+    plain: dict[int, list[list[int]]] = {}
+    try:
+        for b in batches:
+            r = throughput(v.addr, sets[b], max_tokens, no_spec=True)
+            plain[b] = r.pop("ids")
+            res[f"plain_b{b}"] = r
+            print(f"plain b={b}: {r['tok_s']:.1f} tok/s", flush=True)
+    finally:
+        v.stop()
+    # 2. every drafted token wrong (corrupt 1.0): each token is the bonus of a
+    #    [root + 4] verify forward. Its output is the greedy continuation as the
+    #    verify path computes it at this batch shape, which the replay proposes in 3:
+    #    in bf16 plain decode's [B, 1] forwards round differently and near-tied
+    #    argmaxes can flip (bench/divergence.py), after which a continuation
+    #    recorded by plain decode would never be accepted again.
+    refs = replay_phase(target, device, work, "reject", 1.0, sets, max_tokens, plain, plain,
+                        res)
+    # 3. replay instrument (chain of 4) at the set corruption rate.
+    replay_phase(target, device, work, "replay", corrupt, sets, max_tokens, refs, plain, res,
+                 hop=True)
+    # 4. the draft-model proposer (random weights: acceptance is near zero, so this
     #    measures what a draft costs, not what it buys).
     d = start("model-draft", cli_command("draft", "--method", "model", "--model", draft,
                                          "--envelope", "chain4", "--port", "0",
                                          "--device", draft_device))
     v = start("verify", verify_argv(target, device, d.addr, max(batches)))
     try:
-        r = throughput(v.addr, prompts[:1], max_tokens, no_spec=False)
+        r = throughput(v.addr, sets[batches[0]], max_tokens, no_spec=False)
         r.pop("ids")
         res["model_b1"] = r
         print(f"draft-model b=1: {r['tok_s']:.1f} tok/s, {r['fallback_steps']} fallback "

@@ -125,7 +125,7 @@ def main() -> None:
     def e2e() -> None:
         gp = torch.Generator().manual_seed(7)
         prompts = [torch.randint(0, 151936, (a.ctx,), generator=gp).tolist()
-                   for _ in range(max(batches))]
+                   for _ in range(sum(batches))]
         r = run_e2e(str(target_dir), str(draft_dir), a.device, prompts, a.max_tokens,
                     batches, corrupt_for(4.0, 4), work, a.placement)
         out["e2e"] = r

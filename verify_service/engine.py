@@ -330,7 +330,11 @@ class VerifyEngine:
             s.stats.accepted_tokens += min(len(path), len(kept))
             if s.speculative and offered == 0:
                 s.stats.fallback_steps += 1
-                self.fallbacks[reason or "empty_tree"] += 1
+                why = reason or "empty_tree"
+                self.fallbacks[why] += 1
+                if self.fallbacks[why] in (1, 10, 100) or self.fallbacks[why] % 10000 == 0:
+                    log.warning("plain decode instead of speculation (%s): %d sequence "
+                                "steps so far", why, self.fallbacks[why])
             s.accepted_nodes = path
             rows.append((s, offered, len(path), min(len(path), len(kept)), len(kept)))
             if res.hidden is not None and s.hidden is not None:
