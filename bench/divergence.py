@@ -83,13 +83,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--plant", action="store_true", help="bench.shapes' planted successor map")
     a = ap.parse_args()
     dev = pick_device(a.device)
     ops = select(dev, "auto")
-    res: dict = {"shape": a.shape, "ctx": a.ctx, "steps": a.steps}
+    res: dict = {"shape": a.shape, "ctx": a.ctx, "steps": a.steps, "plant": a.plant}
     g = torch.Generator().manual_seed(7)
     for name in a.dtypes.split(","):
-        model = random_model(a.shape, dev).to(getattr(torch, name))
+        model = random_model(a.shape, dev, a.plant).to(getattr(torch, name))
         model.inv_freq = model.inv_freq.float()
         prompt = torch.randint(0, model.spec.vocab_size, (a.ctx,), generator=g).tolist()
         cache = model.new_cache(4 * (-(-(a.ctx + a.steps + 2 * DEPTH + 8) // 16)) + 8, 16)

@@ -125,6 +125,28 @@ def replay_phase(target: str, device: str, work: Path, label: str, corrupt: floa
     return outs
 
 
+def model_phase(target: str, draft: str, device: str, draft_device: str,
+                prompts: list[list[int]], max_tokens: int, max_batch: int) -> dict:
+    d = start("model-draft", cli_command("draft", "--method", "model", "--model", draft,
+                                         "--envelope", "chain4", "--port", "0",
+                                         "--device", draft_device))
+    v = start("verify", verify_argv(target, device, d.addr, max_batch))
+    try:
+        r = throughput(v.addr, prompts, max_tokens, no_spec=False)
+        r.pop("ids")
+        print(f"draft-model b={len(prompts)}: {r['tok_s']:.1f} tok/s, "
+              f"{r['tokens_per_step']:.2f} tok/step, {r['fallback_steps']} fallback steps",
+              flush=True)
+        r["draft_log"], r["verify_log"] = d.output(30), v.output(30)
+        if r["fallback_steps"]:
+            print("draft service output:\n" + r["draft_log"], flush=True)
+            print("verify service output:\n" + r["verify_log"], flush=True)
+        return r
+    finally:
+        v.stop()
+        d.stop()
+
+
 def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
             batches: list[int], corrupt: float, work: Path, placement: str = "same") -> dict:
     """prompts: at least sum(batches); each batch size gets its own prompts, so each
@@ -157,22 +179,12 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     replay_phase(target, device, work, "replay", corrupt, sets, max_tokens, refs, plain, res,
                  hop=True)
     # 4. the draft-model proposer (random weights: acceptance is near zero, so this
-    #    measures what a draft costs, not what it buys).
-    d = start("model-draft", cli_command("draft", "--method", "model", "--model", draft,
-                                         "--envelope", "chain4", "--port", "0",
-                                         "--device", draft_device))
-    v = start("verify", verify_argv(target, device, d.addr, max(batches)))
+    #    measures what a draft costs, not what it buys). Its failure must not cost
+    #    the figures above.
     try:
-        r = throughput(v.addr, sets[batches[0]], max_tokens, no_spec=False)
-        r.pop("ids")
-        res["model_b1"] = r
-        print(f"draft-model b=1: {r['tok_s']:.1f} tok/s, {r['fallback_steps']} fallback "
-              "steps", flush=True)
-        if r["fallback_steps"]:
-            res["model_logs"] = {"draft": d.output(60), "verify": v.output(60)}
-            print("draft service output:\n" + d.output(60), flush=True)
-            print("verify service output:\n" + v.output(60), flush=True)
-    finally:
-        v.stop()
-        d.stop()
+        res["model_b1"] = model_phase(target, draft, device, draft_device, sets[batches[0]],
+                                      max_tokens, max(batches))
+    except Exception as e:
+        res["model_b1"] = {"error": f"{type(e).__name__}: {e}"}
+        print("draft-model phase failed:", res["model_b1"]["error"], flush=True)
     return res

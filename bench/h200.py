@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--nodes", default="0,4,16,32,64")
     ap.add_argument("--sections", default="floor,hf,verify,e2e")
     ap.add_argument("--work", default="")
+    ap.add_argument("--no-plant", action="store_true",
+                    help="plain random target weights (near-tied logits: bf16 flips "
+                         "argmaxes between decode and verify shapes)")
     ap.add_argument("--placement", default="same", choices=["same", "split"],
                     help="split: draft on cuda:0, verify on cuda:1 (two GPUs)")
     a = ap.parse_args()
@@ -61,6 +64,7 @@ def main() -> None:
     sections = set(a.sections.split(","))
     work = Path(a.work or tempfile.mkdtemp(prefix="treespec-bench-"))
     out: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "target": a.target_shape,
+                 "planted_successor_map": not a.no_plant,
                  "draft": a.draft_shape, "ctx": a.ctx,
                  "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                  "errors": {}}
@@ -91,7 +95,7 @@ def main() -> None:
         print(f"copy {bw / 1e12:.2f} TB/s, floor {out['floor_ms']:.2f} ms/step", flush=True)
 
     section("floor", floor)
-    hf = shapes.random_hf_model(a.target_shape, a.device)
+    hf = shapes.random_hf_model(a.target_shape, a.device, plant=not a.no_plant)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 151936, (1, a.ctx), generator=g).to(dev)
 
@@ -100,7 +104,7 @@ def main() -> None:
         print(f"HF eager: {out['hf_tok_s']:.1f} tok/s", flush=True)
 
     section("hf", hf_sec)
-    target_dir, draft_dir = work / a.target_shape, work / a.draft_shape
+    target_dir, draft_dir = work / f"target-{a.target_shape}", work / f"draft-{a.draft_shape}"
     if "e2e" in sections:
         out["save_s"] = shapes.save_checkpoint(hf, target_dir)
         d = shapes.random_hf_model(a.draft_shape, a.device, seed=2)

@@ -30,7 +30,7 @@ from kernels.dispatch import select  # noqa: E402
 from verify_service.graph_verifier import GraphVerifier  # noqa: E402
 
 
-def random_model(name: str, dev: torch.device) -> Qwen3Model:
+def random_model(name: str, dev: torch.device, plant: bool = False) -> Qwen3Model:
     spec = Qwen3Spec.from_dict(shapes.config(name).to_dict())
     with torch.device(dev):
         model = Qwen3Model(spec).to(torch.bfloat16)
@@ -39,6 +39,8 @@ def random_model(name: str, dev: torch.device) -> Qwen3Model:
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.02)
+    if plant:
+        shapes.plant_successor(model.embed.weight, model.lm_head.weight, 0)
     return model.eval().requires_grad_(False)
 
 

@@ -205,3 +205,18 @@ def test_out_of_pages_drops_idle_kv_then_pads(draft_dir):
     assert (p[0] == PAD).all() and (p[1] != PAD).all()
     t, p = prop.propose([0])             # seq 0 recomputes from its tokens
     assert (p[0] != PAD).all()
+
+
+def test_warmup_leaves_no_state_and_proposals_unchanged(draft_dir):
+    """The GPU start-up warm-up (run here eagerly) returns every page, keeps no
+    sequence, and what is proposed afterwards equals a fresh proposer's."""
+    env = envelope_from("tree-small")
+    warm, cold = make(draft_dir, env, num_blocks=128), make(draft_dir, env, num_blocks=128)
+    free = warm.cache.blocks.num_free
+    assert warm.warmup(lengths=(3, 37), batch=3) >= 0
+    assert not warm._seqs and warm.cache.blocks.num_free == free
+    prompt = [5, 9, 2, 7, 7, 1, 3]
+    for p in (warm, cold):
+        p.update(1, prompt, len(prompt), [], None)
+    (tw, pw), (tc, pc) = warm.propose([1]), cold.propose([1])
+    assert torch.equal(tw, tc) and torch.equal(pw, pc)
