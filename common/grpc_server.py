@@ -144,11 +144,12 @@ async def start_server(host: str, port: int, add_servicers: Callable[[grpc.aio.S
 async def _serve(start: Callable[[], Awaitable[tuple[grpc.aio.Server, int]]], host: str,
                  on_stop: Callable[[], Awaitable[None]] | None, grace_s: float) -> None:
     server, port = await start()
-    print(f"listening on {host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # only now: a supervisor that signals as soon as it reads this line is handled
+    print(f"listening on {host}:{port}", flush=True)
     try:
         await stop.wait()
         log.info("stopping: NOT_SERVING, then %.1fs grace", grace_s)
