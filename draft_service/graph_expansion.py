@@ -58,6 +58,15 @@ class GraphExpander:
         self._pool: object | None = None
 
     def _graph(self, b: int, p: int, vocab: int) -> StaticGraph:
+        """As the verify step's: a new page bucket captures every smaller batch
+        bucket too, so a shrinking batch never stalls on a capture."""
+        if (b, p) not in self.graphs:
+            for smaller in BATCH_BUCKETS:
+                if smaller < b:
+                    self._capture(smaller, p, vocab)
+        return self._capture(b, p, vocab)
+
+    def _capture(self, b: int, p: int, vocab: int) -> StaticGraph:
         g = self.graphs.get((b, p))
         if g is None:
             dev = self.cache.device

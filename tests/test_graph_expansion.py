@@ -34,4 +34,6 @@ def test_bucketed_expansion_equals_direct(draft_dir, name):
     (t1, p1), (t2, p2) = trees
     assert torch.equal(t1, t2) and torch.equal(p1, p2)
     assert validate_tree(t1, p1, env.num_nodes, 96) is None
-    assert [k[0] for k in bucketed.expander.graphs] == [4]      # 3 rows ran in the 4-bucket
+    # 3 rows ran in the 4-bucket; the smaller buckets were made with it, so a batch
+    # that shrinks later replays instead of capturing mid-serving
+    assert sorted(k[0] for k in bucketed.expander.graphs) == [1, 2, 4]

@@ -42,6 +42,17 @@ class GraphVerifier(Verifier):
         self._pool: object | None = None
 
     def _graph(self, b: int, n: int, p: int, depth: int) -> StaticGraph:
+        """The graph for this shape. The first time a (nodes, pages) shape is met,
+        every smaller batch bucket is captured with it: sequences of one batch
+        finish at different steps, and the shrinking batch must not stall on a
+        capture (seconds for a large model) in the middle of serving."""
+        if (b, n, p, self.capture_layers) not in self.graphs:
+            for smaller in BATCH_BUCKETS:
+                if smaller < b:
+                    self._capture(smaller, n, p, depth)
+        return self._capture(b, n, p, depth)
+
+    def _capture(self, b: int, n: int, p: int, depth: int) -> StaticGraph:
         key = (b, n, p, self.capture_layers)
         g = self.graphs.get(key)
         if g is None:
