@@ -6,6 +6,12 @@ device. Its shapes depend only on (B, P) for a given envelope, so
 ``GraphExpander`` captures it once per (batch bucket, page bucket) with
 ``common.cuda_graph.StaticGraph`` and replays it; padding rows sit on a scratch
 page and their trees are dropped. On the CPU it runs the same function eagerly.
+
+``catch_up_and_expand`` puts the catch-up forward in front of it at a fixed shape:
+in steady state a sequence brings at most depth + 1 uncommitted tokens (the
+accepted path and the bonus), so the catch-up is a [B, depth + 1] chain with the
+unused tail as padding, and a whole draft step is one graph replay. A longer
+catch-up (a new prompt, a resync) runs eagerly first.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from common.cuda_graph import StaticGraph
 from common.forward_batch import device_forward_batch, page_table
 from common.kv_cache import PagedKVCache, SeqPages
 from common.qwen3 import Qwen3Model
-from common.tree import TreeEnvelope
+from common.tree import PAD, TreeEnvelope
 from draft_service.tree_build import Expansion
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -47,6 +53,27 @@ def expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType, env: TreeEnvel
     return exp.rerank(env.num_nodes)
 
 
+def catch_up_and_expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType,
+                        env: TreeEnvelope, depths: list[torch.Tensor], tokens: torch.Tensor,
+                        count: torch.Tensor, ctx0: torch.Tensor, table: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens [B, C] int64 whose first count[b] (>= 1) are row b's uncommitted
+    tokens, ctx0 [B] int32 the draft KV length before them, table [B, P] int32
+    covering ctx0 + C + the expansion's scratch -> expand's outputs. The tail past
+    count[b] is padding: it sees only itself, nobody sees it, and the slots it
+    writes lie past the committed length (the expansion overwrites or never reads
+    them)."""
+    b, c = tokens.shape
+    i = torch.arange(c, device=tokens.device)
+    live = i.unsqueeze(0) < count.long().unsqueeze(1)                           # [B, C]
+    parents = torch.where(live, (i - 1).unsqueeze(0), torch.full_like(live, PAD, dtype=torch.long))
+    fb = device_forward_batch(tokens, parents.to(torch.int32), i, ctx0, table, cache.block_size)
+    hidden, _ = net(fb, cache, ops)                                              # [B*C, H]
+    last = hidden.view(b, c, -1)[torch.arange(b, device=tokens.device), count.long() - 1]
+    logp = net.logits(last).log_softmax(-1)                                      # [B, V]
+    return expand(net, cache, ops, env, depths, logp, ctx0 + count, table)
+
+
 class GraphExpander:
     def __init__(self, net: Qwen3Model, cache: PagedKVCache, ops: ModuleType,
                  env: TreeEnvelope, capture: bool = True) -> None:
@@ -55,50 +82,90 @@ class GraphExpander:
         self.scratch = cache.blocks.allocate(1)[0]        # padding rows write here
         self.depths = level_depths(env, cache.device)
         self.graphs: dict[tuple[int, int], StaticGraph] = {}
+        self.step_graphs: dict[tuple[int, int], StaticGraph] = {}   # catch-up + expansion
+        self.catch_up_len = env.depth + 1       # longest catch-up the step graphs take
         self._pool: object | None = None
 
     def _graph(self, b: int, p: int, vocab: int) -> StaticGraph:
-        """As the verify step's: a new page bucket captures every smaller batch
-        bucket too, so a shrinking batch never stalls on a capture."""
-        if (b, p) not in self.graphs:
-            for smaller in BATCH_BUCKETS:
-                if smaller < b:
-                    self._capture(smaller, p, vocab)
-        return self._capture(b, p, vocab)
+        dev = self.cache.device
 
-    def _capture(self, b: int, p: int, vocab: int) -> StaticGraph:
-        g = self.graphs.get((b, p))
-        if g is None:
-            dev = self.cache.device
-            example = [torch.zeros((b, vocab), dtype=torch.float32, device=dev),
-                       torch.zeros(b, dtype=torch.int32, device=dev),
-                       torch.full((b, p), self.scratch, dtype=torch.int32, device=dev)]
+        def example(bb: int) -> list[torch.Tensor]:
+            return [torch.zeros((bb, vocab), dtype=torch.float32, device=dev),
+                    torch.zeros(bb, dtype=torch.int32, device=dev),
+                    torch.full((bb, p), self.scratch, dtype=torch.int32, device=dev)]
 
-            def fn(*a: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                return expand(self.net, self.cache, self.ops, self.env, self.depths, *a)
+        def fn(*a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return expand(self.net, self.cache, self.ops, self.env, self.depths, *a)
 
-            with torch.inference_mode():
-                g = StaticGraph(fn, example, capture=self.capture, pool=self._pool)
-            self._pool = g.pool or self._pool
-            self.graphs[(b, p)] = g
-        return g
+        return self._bucketed(self.graphs, b, p, example, fn)
+
+    def _step_graph(self, b: int, p: int) -> StaticGraph:
+        dev = self.cache.device
+
+        def example(bb: int) -> list[torch.Tensor]:
+            return [torch.zeros((bb, self.catch_up_len), dtype=torch.int64, device=dev),
+                    torch.ones(bb, dtype=torch.int32, device=dev),
+                    torch.zeros(bb, dtype=torch.int32, device=dev),
+                    torch.full((bb, p), self.scratch, dtype=torch.int32, device=dev)]
+
+        def fn(*a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return catch_up_and_expand(self.net, self.cache, self.ops, self.env, self.depths,
+                                       *a)
+
+        return self._bucketed(self.step_graphs, b, p, example, fn)
+
+    def _bucketed(self, graphs: dict[tuple[int, int], StaticGraph], b: int, p: int,
+                  example, fn) -> StaticGraph:
+        """graphs[(b, p)], captured on first use. As in the verify step, a new page
+        bucket captures every smaller batch bucket too, so a shrinking batch never
+        stalls on a capture."""
+        for bb in [x for x in BATCH_BUCKETS if x < b] + [b]:
+            if (bb, p) not in graphs:
+                with torch.inference_mode():
+                    g = StaticGraph(fn, example(bb), capture=self.capture, pool=self._pool)
+                self._pool = g.pool or self._pool
+                graphs[(bb, p)] = g
+        return graphs[(b, p)]
+
+    def _shape(self, pages: list[SeqPages]) -> tuple[int, int, torch.Tensor]:
+        """(batch bucket, page bucket, [b, p] page table on the host, padded)."""
+        real = len(pages)
+        b = next(x for x in BATCH_BUCKETS + (real,) if x >= real)
+        width = max(len(sp.pages) for sp in pages)
+        p = 1 << max(0, (width - 1).bit_length())
+        table = torch.full((b, p), self.scratch, dtype=torch.int32)
+        table[:real, :width] = page_table(pages, torch.device("cpu"), fill=self.scratch)
+        return b, p, table
+
+    def _host(self, *xs: torch.Tensor) -> list[torch.Tensor]:
+        return [x.pin_memory() for x in xs] if self.cache.device.type == "cuda" else list(xs)
+
+    @torch.inference_mode()
+    def step(self, new_tokens: list[list[int]], pages: list[SeqPages]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Catch-up and expansion in one replay: new_tokens[r] (1 .. catch_up_len
+        tokens) are row r's uncommitted tokens, written from pages[r].kv_len on.
+        Advancing kv_len is the caller's."""
+        real = len(pages)
+        b, p, table = self._shape(pages)
+        tokens = torch.zeros((b, self.catch_up_len), dtype=torch.int64)
+        count = torch.ones(b, dtype=torch.int32)
+        ctx0 = torch.zeros(b, dtype=torch.int32)
+        for r, (new, sp) in enumerate(zip(new_tokens, pages)):
+            tokens[r, :len(new)] = torch.tensor(new)
+            count[r], ctx0[r] = len(new), sp.kv_len
+        out = self._step_graph(b, p)(*self._host(tokens, count, ctx0, table))
+        return tuple(x[:real].clone() for x in out)
 
     @torch.inference_mode()
     def __call__(self, logp: torch.Tensor, pages: list[SeqPages]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Trees for the real rows: logp [R, V] on the device, pages of R sequences."""
         real, vocab = logp.shape
-        b = next(x for x in BATCH_BUCKETS + (real,) if x >= real)
-        width = max(len(sp.pages) for sp in pages)
-        p = 1 << max(0, (width - 1).bit_length())
-        dev = self.cache.device
-        full_logp = torch.zeros((b, vocab), dtype=torch.float32, device=dev)
+        b, p, table = self._shape(pages)
+        full_logp = torch.zeros((b, vocab), dtype=torch.float32, device=self.cache.device)
         full_logp[:real] = logp.float()
         ctx = torch.zeros(b, dtype=torch.int32)
         ctx[:real] = torch.tensor([sp.kv_len for sp in pages])
-        table = torch.full((b, p), self.scratch, dtype=torch.int32)
-        table[:real, :width] = page_table(pages, torch.device("cpu"), fill=self.scratch)
-        if dev.type == "cuda":
-            ctx, table = ctx.pin_memory(), table.pin_memory()
-        tokens, parents, chunk_pos = self._graph(b, p, vocab)(full_logp, ctx, table)
-        return tokens[:real].clone(), parents[:real].clone(), chunk_pos[:real].clone()
+        out = self._graph(b, p, vocab)(full_logp, *self._host(ctx, table))
+        return tuple(x[:real].clone() for x in out)

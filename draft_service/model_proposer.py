@@ -204,10 +204,15 @@ class ModelProposer:
     def _draft(self, seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Catch up, expand and rerank: tokens, parents [B, N] int32, chunk_pos [B, N]."""
         env = self.env
-        chunks = []
         for st in seqs:
             st.pages.kv_len = min(st.pages.kv_len, len(st.tokens) - 1)
-            chunks.append(chain_chunk(st.pages, st.tokens[st.pages.kv_len:]))
+        news = [st.tokens[st.pages.kv_len:] for st in seqs]
+        if self.expander is not None and max(map(len, news)) <= self.expander.catch_up_len:
+            out = self.expander.step(news, [st.pages for st in seqs])    # one replay
+            for st in seqs:
+                st.pages.kv_len = len(st.tokens)
+            return out
+        chunks = [chain_chunk(st.pages, new) for st, new in zip(seqs, news)]
         fb = build_forward_batch(chunks, self.cache)
         hidden, _ = self.net(fb, self.cache, self.ops)                 # [T, H]
         logp = self.net.logits(hidden[fb.last]).log_softmax(-1)       # [B, V]

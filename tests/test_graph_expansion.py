@@ -37,3 +37,39 @@ def test_bucketed_expansion_equals_direct(draft_dir, name):
     # 3 rows ran in the 4-bucket; the smaller buckets were made with it, so a batch
     # that shrinks later replays instead of capturing mid-serving
     assert sorted(k[0] for k in bucketed.expander.graphs) == [1, 2, 4]
+
+
+@pytest.mark.parametrize("name", ["chain4", "tree-small", "tree-wide"])
+def test_fixed_catch_up_steps_equal_direct(draft_dir, name):
+    """Steady state: each step's catch-up (accepted path + bonus, at most depth + 1
+    tokens) runs with the expansion as one fixed-shape function; over steps with
+    random accepted paths it proposes exactly what the direct path does."""
+    import random
+    env = envelope_from(name)
+    direct, fixed = make(draft_dir, env), make(draft_dir, env)
+    fixed.expander = GraphExpander(fixed.net, fixed.cache, fixed.ops, env, capture=False)
+    rng = random.Random(5)
+    seqs = {s: list(p) for s, p in enumerate(PROMPTS)}
+    for prop in (direct, fixed):
+        for s, toks in seqs.items():
+            prop.update(s, toks, len(toks), [], None)
+    for step in range(5):
+        order = list(seqs)
+        rng.shuffle(order)
+        (t1, p1), (t2, p2) = direct.propose(order), fixed.propose(order)
+        assert torch.equal(t1, t2) and torch.equal(p1, p2), f"step {step}"
+        assert validate_tree(t1, p1, env.num_nodes, 96) is None
+        for row, s in enumerate(order):
+            path, cur = [], -1
+            while rng.random() < 0.7:
+                kids = [i for i, q in enumerate(p1[row].tolist()) if q == cur]
+                if not kids:
+                    break
+                cur = rng.choice(kids)
+                path.append(cur)
+            new = [int(t1[row, n]) for n in path] + [rng.randrange(96)]
+            seqs[s].extend(new)
+            for prop in (direct, fixed):
+                prop.update(s, seqs[s], len(new), path, None)
+    assert fixed.expander.step_graphs, "the fixed catch-up never ran"
+    assert sorted({k[0] for k in fixed.expander.step_graphs}) == [1, 2, 4]
