@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--prefill-tokens", type=int, help="prompt tokens admitted per iteration")
     v.add_argument("--step-deadline-ms", type=float, help="wait for a proposal, then plain decode")
     v.add_argument("--reconnect-s", type=float, help="retry period while the draft is down")
+    v.add_argument("--step-mode", choices=["auto", "ragged", "fixed"],
+                   help="verify step: fixed shapes (CUDA graphs on a GPU) or ragged "
+                        "(default auto: fixed on CUDA)")
     _add_runtime(v)
 
     g = sub.add_parser("generate", help="stream one completion from a verify service")
@@ -180,7 +183,7 @@ def verify_config(args: argparse.Namespace):
     try:
         return VerifyConfig(model=args.model, draft=args.draft, **_fields(
             args, _RUNTIME + ("max_batch", "max_model_len", "prefill_tokens",
-                              "step_deadline_ms", "reconnect_s")))
+                              "step_deadline_ms", "reconnect_s", "step_mode")))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
