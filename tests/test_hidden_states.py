@@ -93,3 +93,18 @@ def test_hidden_states_of_committed_tokens_travel_once(target_dir, step_mode):
     want = torch.cat([hs[i][0] for i in LAYERS], dim=-1)      # states before tokens 1..L-1
     assert torch.all(rows[0] == 0)
     torch.testing.assert_close(rows[1:], want, atol=1e-4, rtol=1e-4)
+
+
+def test_hidden_buffer_appends_in_amortized_place():
+    from verify_service.hidden_states import HiddenBuffer
+    first = torch.arange(6.0).view(3, 2)
+    buf = HiddenBuffer(first)
+    grown = []
+    for step in range(20):
+        rows = torch.full((1 + step % 3, 2), float(step))
+        before = buf._buf.data_ptr()
+        buf.append(rows)
+        grown.append(buf._buf.data_ptr() != before)
+        first = torch.cat([first, rows])
+        assert torch.equal(buf.rows, first)
+    assert sum(grown) <= 6, "the buffer should double, not copy every step"

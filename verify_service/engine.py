@@ -29,7 +29,7 @@ from kernels.dispatch import select
 from verify_service.draft_link import DraftLink, Fallback
 from verify_service.graph_verifier import GraphVerifier
 from verify_service.observer import EngineObserver, NullObserver, StepRecord
-from verify_service.hidden_states import hidden_rows_for
+from verify_service.hidden_states import HiddenBuffer, hidden_rows_for
 from verify_service.request import GenRequest
 from verify_service.sequence import Sequence
 from verify_service.verifier import Verifier
@@ -206,7 +206,7 @@ class VerifyEngine:
         firsts, feats = await self._compute(self.verifier.prefill, [s.pages for s in batch],
                                             [list(s.tokens) for s in batch])
         for i, (seq, tok) in enumerate(zip(batch, firsts)):
-            seq.hidden = feats[i] if feats is not None else None
+            seq.hidden = HiddenBuffer(feats[i]) if feats is not None else None
             kept = seq.commit([tok])
             seq.unsent = []          # the draft will hear the whole list at first sync
             seq.emit(kept)
@@ -338,7 +338,7 @@ class VerifyEngine:
             s.accepted_nodes = path
             rows.append((s, offered, len(path), min(len(path), len(kept)), len(kept)))
             if res.hidden is not None and s.hidden is not None:
-                s.hidden = torch.cat([s.hidden, res.hidden[i]])
+                s.hidden.append(res.hidden[i])
             elif res.hidden is None:
                 s.hidden = None
             s.emit(kept)

@@ -14,14 +14,38 @@ from common.codec import Staging
 from verify_service.sequence import Sequence
 
 
+class HiddenBuffer:
+    """A sequence's captured target states [len, C] on the device, grown by
+    doubling: appending a step's rows costs O(rows) amortized, not a copy of the
+    whole history (the sequence's states are kept while a drafter reads them)."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self._buf = rows
+        self.len = rows.shape[0]
+
+    def append(self, rows: torch.Tensor) -> None:
+        need = self.len + rows.shape[0]
+        if need > self._buf.shape[0]:
+            grown = self._buf.new_empty((max(need, 2 * self._buf.shape[0]), self._buf.shape[1]))
+            grown[:self.len] = self._buf[:self.len]
+            self._buf = grown
+        self._buf[self.len:need] = rows
+        self.len = need
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self._buf[:self.len]
+
+
 def rows_of(seq: Sequence) -> torch.Tensor:
     """[len(update's new_tokens), C] device rows for this sequence's next update."""
     n = len(seq.tokens)
+    hidden = seq.hidden.rows
     if not seq.draft_synced:
-        zero = torch.zeros_like(seq.hidden[:1])
-        return torch.cat([zero, seq.hidden[:n - 1]])
+        zero = torch.zeros_like(hidden[:1])
+        return torch.cat([zero, hidden[:n - 1]])
     start = n - len(seq.unsent) - 1
-    return seq.hidden[start:n - 1]
+    return hidden[start:n - 1]
 
 
 def hidden_rows_for(seqs: list[Sequence], staging: Staging) -> list[torch.Tensor | None]:

@@ -11,7 +11,7 @@ from common.kv_cache import SeqPages
 from verify_service.request import FinishReason, GenRequest, Stats, StepOutput
 
 if TYPE_CHECKING:
-    import torch
+    from verify_service.hidden_states import HiddenBuffer
 
 _ids = itertools.count(1)
 
@@ -36,7 +36,7 @@ class Sequence:
     accepted_step: int = 0
     # Target hidden states [kv_len, C] of every token whose KV is written, kept on
     # the device while a drafter reads them (EAGLE-3); None otherwise.
-    hidden: "torch.Tensor | None" = None
+    hidden: "HiddenBuffer | None" = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.req.prompt_ids)
