@@ -4,19 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.service_config import ServiceConfig
 
-@dataclass(frozen=True)
-class VerifyConfig:
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyConfig(ServiceConfig):
     model: str                        # checkpoint dir (or shipped name)
     draft: str | None = None          # HOST:PORT of a draft service; None = plain decode
-    host: str = "127.0.0.1"
-    port: int = 0                     # 0 picks a free port
-    metrics_port: int | None = None   # /metrics: None = off, 0 = a free port
-    device: str = "auto"
-    dtype: str = "auto"
-    kernels: str = "auto"             # auto | reference | triton
     num_blocks: int = 4096            # target KV pages
-    block_size: int = 16
     max_batch: int = 32               # running sequences per step
     max_model_len: int = 0            # 0 = the checkpoint's max_position_embeddings
     prefill_tokens: int = 4096        # prompt tokens admitted per engine iteration
@@ -25,14 +20,11 @@ class VerifyConfig:
     step_mode: str = "auto"           # auto (fixed on CUDA), ragged, fixed (CUDA graphs on GPU)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port {self.port} out of range")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics port {self.metrics_port} out of range")
+        super().__post_init__()
         if self.draft is not None and ":" not in self.draft:
             raise ValueError(f"--draft wants HOST:PORT, got {self.draft!r}")
-        if self.max_batch < 1 or self.num_blocks < 1 or self.block_size < 1:
-            raise ValueError("max_batch, num_blocks and block_size must be >= 1")
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
         if self.step_mode not in ("auto", "ragged", "fixed"):
             raise ValueError(f"step_mode must be auto, ragged or fixed, got {self.step_mode!r}")
         if self.step_deadline_ms <= 0 or self.reconnect_s <= 0:

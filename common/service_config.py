@@ -1,0 +1,29 @@
+"""What both services take: where they listen, what they run on, their KV pages.
+
+Each service's config (``DraftConfig``, ``VerifyConfig``) extends this frozen,
+keyword-only dataclass with its own fields and checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    host: str = "127.0.0.1"
+    port: int = 0                     # 0 picks a free port
+    metrics_port: int | None = None   # /metrics: None = off, 0 = a free port
+    device: str = "auto"
+    dtype: str = "auto"
+    kernels: str = "auto"             # auto | reference | triton
+    num_blocks: int = 2048            # KV pages (each service sets its own default)
+    block_size: int = 16              # tokens per KV page
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} out of range")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics port {self.metrics_port} out of range")
+        if self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
