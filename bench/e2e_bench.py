@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -28,17 +30,19 @@ def start(name: str, argv: list[str], timeout: float = 600) -> ServiceProcess:
 def verify_argv(model: str, device: str, draft: str | None, max_batch: int) -> list[str]:
     argv = cli_command("verify", "--model", model, "--port", "0", "--device", device,
                        "--max-batch", str(max_batch), "--num-blocks", "6000",
-                       "--step-deadline-ms", "2000")
+                       "--step-deadline-ms", "2000", "--metrics-port", "0")
     return argv + (["--draft", draft] if draft else [])
 
 
-async def _batch(addr: str, prompts: list[list[int]], max_tokens: int,
-                 no_spec: bool) -> tuple[float, list[dict], list[list[int]]]:
+async def _batch(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bool,
+                 after_warmup=None) -> tuple[float, list[dict], list[list[int]]]:
     async with AsyncTreespecClient(addr, timeout=600) as c:
         await c.wait_ready(600)
         # warm-up: captures this batch bucket's graphs
         await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=8, ignore_eos=True,
                                           no_speculation=no_spec) for p in prompts])
+        if after_warmup is not None:
+            after_warmup()
         t0 = time.perf_counter()
         outs = await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=max_tokens,
                                                  ignore_eos=True, no_speculation=no_spec)
@@ -47,13 +51,57 @@ async def _batch(addr: str, prompts: list[list[int]], max_tokens: int,
     return dt, [o.stats for o in outs], [o.token_ids for o in outs]
 
 
-def throughput(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bool) -> dict:
-    dt, stats, ids = asyncio.run(_batch(addr, prompts, max_tokens, no_spec))
+STEP_PARTS = {"step": "treespec:step_seconds", "hop": "treespec:draft_hop_seconds",
+              "verify": "treespec:verify_forward_seconds"}
+
+
+def metrics_url(svc: ServiceProcess) -> str | None:
+    """The service's /metrics address, from its `metrics on URL` log line."""
+    m = re.search(r"metrics on (http://\S+/metrics)", svc.output())
+    return m.group(1) if m else None
+
+
+def step_sums(url: str | None) -> dict[str, tuple[float, float]]:
+    """(sum seconds, count) of the verify service's per-step histograms."""
+    if url is None:
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    got: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            got[smp.name] = got.get(smp.name, 0.0) + smp.value
+    return {k: (got.get(n + "_sum", 0.0), got.get(n + "_count", 0.0))
+            for k, n in STEP_PARTS.items()}
+
+
+def step_breakdown(before: dict, after: dict) -> dict[str, float]:
+    """Mean ms per engine step of each part over the timed run, and the rest
+    (engine, servicer and streaming work around the hop and the forward)."""
+    out: dict[str, float] = {}
+    for k in STEP_PARTS:
+        if k in before and k in after and after[k][1] > before[k][1]:
+            out[k + "_ms"] = 1000 * (after[k][0] - before[k][0]) / (after[k][1] - before[k][1])
+    if "step_ms" in out:
+        out["rest_ms"] = out["step_ms"] - out.get("hop_ms", 0.0) - out.get("verify_ms", 0.0)
+    return out
+
+
+def throughput(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bool,
+               metrics: str | None = None) -> dict:
+    before: dict = {}
+
+    def mark() -> None:
+        before.update(step_sums(metrics))
+
+    dt, stats, ids = asyncio.run(_batch(addr, prompts, max_tokens, no_spec, mark))
     gen = sum(s["completion_tokens"] for s in stats)
     steps = sum(s["steps"] for s in stats)
     # the prefill's token is not a step's: leave it out of tokens per step
     per_step = (gen - len(stats)) / max(1, steps)
-    return {"tok_s": gen / dt, "tokens_per_step": per_step, "seconds": dt,
+    parts = step_breakdown(before, step_sums(metrics)) if metrics is not None else {}
+    return {"tok_s": gen / dt, "tokens_per_step": per_step, "seconds": dt, **parts,
             "accepted": sum(s["accepted_tokens"] for s in stats),
             "drafted": sum(s["draft_tokens"] for s in stats),
             "fallback_steps": sum(s["fallback_steps"] for s in stats), "ids": ids}
@@ -107,7 +155,7 @@ def replay_phase(target: str, device: str, work: Path, label: str, corrupt: floa
     outs: dict[int, list[list[int]]] = {}
     try:
         for b, prompts in sets.items():
-            r = throughput(v.addr, prompts, max_tokens, no_spec=False)
+            r = throughput(v.addr, prompts, max_tokens, no_spec=False, metrics=metrics_url(v))
             outs[b] = r.pop("ids")
             vs_ref, vs_plain = first_divergence(outs[b], refs[b]), first_divergence(outs[b], plain[b])
             res[f"{label}_b{b}"] = dict(
@@ -132,7 +180,7 @@ def model_phase(target: str, draft: str, device: str, draft_device: str,
                                          "--device", draft_device))
     v = start("verify", verify_argv(target, device, d.addr, max_batch))
     try:
-        r = throughput(v.addr, prompts, max_tokens, no_spec=False)
+        r = throughput(v.addr, prompts, max_tokens, no_spec=False, metrics=metrics_url(v))
         r.pop("ids")
         print(f"draft-model b={len(prompts)}: {r['tok_s']:.1f} tok/s, "
               f"{r['tokens_per_step']:.2f} tok/step, {r['fallback_steps']} fallback steps",
@@ -161,7 +209,7 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     plain: dict[int, list[list[int]]] = {}
     try:
         for b in batches:
-            r = throughput(v.addr, sets[b], max_tokens, no_spec=True)
+            r = throughput(v.addr, sets[b], max_tokens, no_spec=True, metrics=metrics_url(v))
             plain[b] = r.pop("ids")
             res[f"plain_b{b}"] = r
             print(f"plain b={b}: {r['tok_s']:.1f} tok/s", flush=True)
