@@ -1,0 +1,36 @@
+"""The GPU benchmark's whole path, at a tiny shape on the CPU: every section runs,
+every key the issue names is written, and the replay instrument does what it is
+for (controlled acceptance, output equal to plain decode). A broken bench found
+here costs nothing; found on the H200 it costs device minutes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
+    out = tmp_path / "h200.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "h200.py"), "--out", str(out),
+                    "--target-shape", "tiny", "--draft-shape", "tiny", "--device", "cpu",
+                    "--ctx", "32", "--max-tokens", "16", "--batches", "1,2", "--nodes", "0,4",
+                    "--work", str(tmp_path / "work")],
+                   check=True, timeout=300, cwd=ROOT, capture_output=True)
+    r = json.loads(out.read_text())
+    assert r["errors"] == {}
+    for key in ("plain_tok_s", "hf_tok_s", "floor_tok_s", "verify_ms", "oracle4_tok_s",
+                "hop_share", "batch_tok_s"):
+        assert key in r, key
+    assert set(r["verify_ms"]["1"]) == {"0", "4"} and set(r["batch_tok_s"]) == {"1", "2"}
+    e2e = r["e2e"]
+    for b in (1, 2):
+        assert e2e[f"reject_b{b}"]["tokens_per_step"] == 1.0       # every draft was wrong
+        assert e2e[f"replay_b{b}"]["lossless"] and e2e[f"reject_b{b}"]["lossless"]
+        assert e2e[f"replay_b{b}"]["tokens_per_step"] > 2.0       # set near 4 by corruption
+        assert e2e[f"replay_b{b}"]["step_ms"] > e2e[f"replay_b{b}"]["verify_ms"] > 0
+    assert 0 < r["hop_share"] < 1
+    assert e2e["model_b1"]["fallback_steps"] == 0 and "error" not in e2e["model_b1"]
