@@ -50,7 +50,7 @@ from common.model_paths import resolve_model
 from common.tree import TreeEnvelope
 from draft_service.config import DraftConfig
 from draft_service.eagle3_head import Eagle3Head
-from draft_service.proposer import padding_trees
+from draft_service.proposer import padding_trees, warm_up
 from draft_service.tree_build import Expansion
 from kernels.dispatch import select
 
@@ -85,8 +85,11 @@ class Eagle3Proposer:
         device = pick_device(cfg.device)
         head = Eagle3Head.from_pretrained(resolve_model(cfg.model), cfg.target_embeddings,
                                           pick_dtype(cfg.dtype, device), device)
-        return cls(head, cfg.envelope, select(device, cfg.kernels), cfg.num_blocks,
-                   cfg.block_size, model_name=cfg.model)
+        proposer = cls(head, cfg.envelope, select(device, cfg.kernels), cfg.num_blocks,
+                       cfg.block_size, model_name=cfg.model)
+        if device.type == "cuda":
+            log.info("warm-up (kernel compiles) took %.1f s", warm_up(proposer))
+        return proposer
 
     # ------------------------------------------------------------ state
     def update(self, seq_id: int, tokens: list[int], new_count: int,

@@ -25,7 +25,6 @@ not the committed ones) is simply recomputed.
 from __future__ import annotations
 
 import logging
-import time
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from common.model_paths import resolve_model
 from common.qwen3 import Qwen3Model
 from common.tree import ROOT, TreeEnvelope
 from draft_service.config import DraftConfig
-from draft_service.proposer import padding_trees
+from draft_service.proposer import padding_trees, warm_up
 from draft_service.graph_expansion import GraphExpander, expand, level_depths
 from kernels.dispatch import select
 
@@ -87,28 +86,8 @@ class ModelProposer:
                        cfg.block_size, model_name=cfg.model)
         if device.type == "cuda":
             log.info("warm-up (kernel compiles, expansion graphs) took %.1f s",
-                     proposer.warmup())
+                     warm_up(proposer))
         return proposer
-
-    def warmup(self, lengths: tuple[int, ...] = (8, 200, 1100), batch: int = 8) -> float:
-        """Run what first requests run: catch-up forwards of several lengths, a
-        decode-sized one, and a batch, so that Triton compiles and CUDA graph
-        captures (seconds on a GPU) happen before serving, not inside a step the
-        verify service waits for under its deadline. Leaves no sequence or page
-        behind; returns the seconds taken."""
-        t0 = time.perf_counter()
-        groups = [[n] for n in lengths] + [[lengths[0]] * batch]
-        for g, sizes in enumerate(groups):
-            ids = [-1000 * (g + 1) - i for i in range(len(sizes))]
-            for sid, n in zip(ids, sizes):
-                self.update(sid, [1] * n, n, [], None)
-            self.propose(ids)
-            for sid, n in zip(ids, sizes):
-                self.update(sid, [1] * (n + 1), 1, [], None)
-            self.propose(ids)
-            for sid in ids:
-                self.release(sid)
-        return time.perf_counter() - t0
 
     # ------------------------------------------------------------ state
     def update(self, seq_id: int, tokens: list[int], new_count: int,

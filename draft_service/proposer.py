@@ -25,6 +25,7 @@ its own, accepted nodes that do not match): it recomputes rather than fails.
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
@@ -50,3 +51,24 @@ def padding_trees(batch: int, num_nodes: int) -> tuple[torch.Tensor, torch.Tenso
     """All-padding rows: tokens [B, N] = 0, parents [B, N] = -2 (int32, host)."""
     return (torch.zeros(batch, num_nodes, dtype=torch.int32),
             torch.full((batch, num_nodes), PAD, dtype=torch.int32))
+
+
+def warm_up(p: Proposer, lengths: tuple[int, ...] = (8, 200, 1100), batch: int = 8) -> float:
+    """Run what first requests run: first syncs of several lengths, a decode-sized
+    step after each, and a batch, so that Triton compiles and CUDA graph captures
+    (seconds on a GPU) happen before serving, not inside a step the verify service
+    waits for under its deadline. Sequences get ids no engine hands out (< 0) and
+    are released: no state or page is left behind. Returns the seconds taken."""
+    t0 = time.perf_counter()
+    groups = [[n] for n in lengths] + [[lengths[0]] * batch]
+    for g, sizes in enumerate(groups):
+        ids = [-1000 * (g + 1) - i for i in range(len(sizes))]
+        for sid, n in zip(ids, sizes):
+            p.update(sid, [1] * n, n, [], None)
+        p.propose(ids)
+        for sid, n in zip(ids, sizes):
+            p.update(sid, [1] * (n + 1), 1, [], None)
+        p.propose(ids)
+        for sid in ids:
+            p.release(sid)
+    return time.perf_counter() - t0

@@ -12,6 +12,7 @@ from transformers import Qwen3ForCausalLM
 from common.tree import PAD, TreeEnvelope, envelope_from, node_depths, validate_tree
 from draft_service.config import DraftConfig
 from draft_service.model_proposer import ModelProposer
+from draft_service.proposer import warm_up
 from draft_service.tree_build import Expansion
 from kernels import reference
 from kernels.dispatch import KERNEL_NAMES
@@ -213,7 +214,7 @@ def test_warmup_leaves_no_state_and_proposals_unchanged(draft_dir):
     env = envelope_from("tree-small")
     warm, cold = make(draft_dir, env, num_blocks=128), make(draft_dir, env, num_blocks=128)
     free = warm.cache.blocks.num_free
-    assert warm.warmup(lengths=(3, 37), batch=3) >= 0
+    assert warm_up(warm, lengths=(3, 37), batch=3) >= 0
     assert not warm._seqs and warm.cache.blocks.num_free == free
     prompt = [5, 9, 2, 7, 7, 1, 3]
     for p in (warm, cold):

@@ -318,3 +318,19 @@ def test_shipped_head_speculates_on_the_shipped_target(envelope):
     assert out.token_ids == greedy_reference(target, prompt, 32)
     s = out.stats
     assert (s["accepted_tokens"] + s["steps"]) / s["steps"] > 1.5
+
+
+def test_warm_up_leaves_no_state_and_proposals_unchanged(head_dir):
+    """The GPU start-up warm-up (here eagerly, zero features) returns every page,
+    keeps no sequence, and later proposals equal a fresh proposer's."""
+    from draft_service.proposer import warm_up
+    env = PRESETS["tree-small"]
+    warm, cold = _proposer(head_dir, env), _proposer(head_dir, env)
+    free = warm.cache.blocks.num_free
+    assert warm_up(warm, lengths=(3, 20), batch=3) >= 0
+    assert not warm._seqs and warm.cache.blocks.num_free == free
+    tokens, rows = _inputs(4, 9)
+    for p in (warm, cold):
+        p.update(1, tokens, len(tokens), [], rows)
+    (tw, pw), (tc, pc) = warm.propose([1]), cold.propose([1])
+    assert torch.equal(tw, tc) and torch.equal(pw, pc)
