@@ -20,15 +20,12 @@ from types import ModuleType
 
 import torch
 
-from common.cuda_graph import StaticGraph
-from common.forward_batch import device_forward_batch, page_table
+from common.forward_batch import device_forward_batch
+from common.graph_buckets import BucketedGraphs
 from common.kv_cache import PagedKVCache, SeqPages
 from common.qwen3 import Qwen3Model
 from common.tree import PAD, TreeEnvelope
 from draft_service.tree_build import Expansion
-
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-
 
 def level_depths(env: TreeEnvelope, device: torch.device) -> list[torch.Tensor]:
     """Position offsets of each expansion chunk (levels 1..depth-1), made up front
@@ -75,70 +72,16 @@ def catch_up_and_expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType,
 
 
 class GraphExpander:
+    """The draft model's fixed-shape step functions, one graph per (batch bucket,
+    page bucket): ``step`` (catch-up + expansion) and ``__call__`` (expansion
+    after an eager catch-up)."""
+
     def __init__(self, net: Qwen3Model, cache: PagedKVCache, ops: ModuleType,
                  env: TreeEnvelope, capture: bool = True) -> None:
         self.net, self.cache, self.ops, self.env = net, cache, ops, env
-        self.capture = capture
-        self.scratch = cache.blocks.allocate(1)[0]        # padding rows write here
+        self.buckets = BucketedGraphs(cache, capture)
         self.depths = level_depths(env, cache.device)
-        self.graphs: dict[tuple[int, int], StaticGraph] = {}
-        self.step_graphs: dict[tuple[int, int], StaticGraph] = {}   # catch-up + expansion
         self.catch_up_len = env.depth + 1       # longest catch-up the step graphs take
-        self._pool: object | None = None
-
-    def _graph(self, b: int, p: int, vocab: int) -> StaticGraph:
-        dev = self.cache.device
-
-        def example(bb: int) -> list[torch.Tensor]:
-            return [torch.zeros((bb, vocab), dtype=torch.float32, device=dev),
-                    torch.zeros(bb, dtype=torch.int32, device=dev),
-                    torch.full((bb, p), self.scratch, dtype=torch.int32, device=dev)]
-
-        def fn(*a: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return expand(self.net, self.cache, self.ops, self.env, self.depths, *a)
-
-        return self._bucketed(self.graphs, b, p, example, fn)
-
-    def _step_graph(self, b: int, p: int) -> StaticGraph:
-        dev = self.cache.device
-
-        def example(bb: int) -> list[torch.Tensor]:
-            return [torch.zeros((bb, self.catch_up_len), dtype=torch.int64, device=dev),
-                    torch.ones(bb, dtype=torch.int32, device=dev),
-                    torch.zeros(bb, dtype=torch.int32, device=dev),
-                    torch.full((bb, p), self.scratch, dtype=torch.int32, device=dev)]
-
-        def fn(*a: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return catch_up_and_expand(self.net, self.cache, self.ops, self.env, self.depths,
-                                       *a)
-
-        return self._bucketed(self.step_graphs, b, p, example, fn)
-
-    def _bucketed(self, graphs: dict[tuple[int, int], StaticGraph], b: int, p: int,
-                  example, fn) -> StaticGraph:
-        """graphs[(b, p)], captured on first use. As in the verify step, a new page
-        bucket captures every smaller batch bucket too, so a shrinking batch never
-        stalls on a capture."""
-        for bb in [x for x in BATCH_BUCKETS if x < b] + [b]:
-            if (bb, p) not in graphs:
-                with torch.inference_mode():
-                    g = StaticGraph(fn, example(bb), capture=self.capture, pool=self._pool)
-                self._pool = g.pool or self._pool
-                graphs[(bb, p)] = g
-        return graphs[(b, p)]
-
-    def _shape(self, pages: list[SeqPages]) -> tuple[int, int, torch.Tensor]:
-        """(batch bucket, page bucket, [b, p] page table on the host, padded)."""
-        real = len(pages)
-        b = next(x for x in BATCH_BUCKETS + (real,) if x >= real)
-        width = max(len(sp.pages) for sp in pages)
-        p = 1 << max(0, (width - 1).bit_length())
-        table = torch.full((b, p), self.scratch, dtype=torch.int32)
-        table[:real, :width] = page_table(pages, torch.device("cpu"), fill=self.scratch)
-        return b, p, table
-
-    def _host(self, *xs: torch.Tensor) -> list[torch.Tensor]:
-        return [x.pin_memory() for x in xs] if self.cache.device.type == "cuda" else list(xs)
 
     @torch.inference_mode()
     def step(self, new_tokens: list[list[int]], pages: list[SeqPages]
@@ -146,26 +89,46 @@ class GraphExpander:
         """Catch-up and expansion in one replay: new_tokens[r] (1 .. catch_up_len
         tokens) are row r's uncommitted tokens, written from pages[r].kv_len on.
         Advancing kv_len is the caller's."""
+        gb, dev, c = self.buckets, self.cache.device, self.catch_up_len
         real = len(pages)
-        b, p, table = self._shape(pages)
-        tokens = torch.zeros((b, self.catch_up_len), dtype=torch.int64)
+        b, p, table = gb.shape(pages)
+        tokens = torch.zeros((b, c), dtype=torch.int64)
         count = torch.ones(b, dtype=torch.int32)
         ctx0 = torch.zeros(b, dtype=torch.int32)
         for r, (new, sp) in enumerate(zip(new_tokens, pages)):
             tokens[r, :len(new)] = torch.tensor(new)
             count[r], ctx0[r] = len(new), sp.kv_len
-        out = self._step_graph(b, p)(*self._host(tokens, count, ctx0, table))
+
+        def example(bb: int) -> list[torch.Tensor]:
+            return [torch.zeros((bb, c), dtype=torch.int64, device=dev),
+                    torch.ones(bb, dtype=torch.int32, device=dev),
+                    torch.zeros(bb, dtype=torch.int32, device=dev), gb.table_example(bb, p)]
+
+        def fn(*a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return catch_up_and_expand(self.net, self.cache, self.ops, self.env, self.depths,
+                                       *a)
+
+        out = gb.get("step", b, p, example, fn)(*gb.host(tokens, count, ctx0, table))
         return tuple(x[:real].clone() for x in out)
 
     @torch.inference_mode()
     def __call__(self, logp: torch.Tensor, pages: list[SeqPages]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Trees for the real rows: logp [R, V] on the device, pages of R sequences."""
+        gb, dev = self.buckets, self.cache.device
         real, vocab = logp.shape
-        b, p, table = self._shape(pages)
-        full_logp = torch.zeros((b, vocab), dtype=torch.float32, device=self.cache.device)
+        b, p, table = gb.shape(pages)
+        full_logp = torch.zeros((b, vocab), dtype=torch.float32, device=dev)
         full_logp[:real] = logp.float()
         ctx = torch.zeros(b, dtype=torch.int32)
         ctx[:real] = torch.tensor([sp.kv_len for sp in pages])
-        out = self._graph(b, p, vocab)(full_logp, *self._host(ctx, table))
+
+        def example(bb: int) -> list[torch.Tensor]:
+            return [torch.zeros((bb, vocab), dtype=torch.float32, device=dev),
+                    torch.zeros(bb, dtype=torch.int32, device=dev), gb.table_example(bb, p)]
+
+        def fn(*a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return expand(self.net, self.cache, self.ops, self.env, self.depths, *a)
+
+        out = gb.get("expand", b, p, example, fn)(full_logp, *gb.host(ctx, table))
         return tuple(x[:real].clone() for x in out)

@@ -161,7 +161,9 @@ class ModelProposer:
         """Rows whose sequence has pages for catch-up plus scratch. When pages run
         out, idle sequences' KV is dropped, least recently used first; a row
         that still does not fit is left as padding."""
-        scratch = (self.env.depth - 1) * self.env.topk
+        # past the committed tokens: the tree's scratch, and the padded tail of a
+        # fixed-shape catch-up (up to depth slots after a one-token catch-up)
+        scratch = max((self.env.depth - 1) * self.env.topk, self.env.depth)
         batch = set(seq_ids)
         rows = []
         for r, s in enumerate(seq_ids):

@@ -189,11 +189,11 @@ def test_release_frees_every_page(draft_dir):
 
 
 def test_out_of_pages_drops_idle_kv_then_pads(draft_dir):
-    env = envelope_from("chain4")        # scratch 3 slots; block 4
+    env = envelope_from("chain4")        # scratch 4 slots (a padded catch-up); block 4
     prop = make(draft_dir, env, num_blocks=6, block_size=4)
-    long = list(range(1, 14))            # 13 + 3 = 16 slots = 4 pages
+    long = list(range(1, 13))            # 12 + 4 = 16 slots = 4 pages
     prop.update(0, long, len(long), [], None)
-    prop.update(1, [2, 3], 2, [], None)  # 2 + 3 = 5 slots = 2 pages
+    prop.update(1, [2, 3], 2, [], None)  # 2 + 4 = 6 slots = 2 pages
     t, _ = prop.propose([0, 1])
     assert prop.cache.blocks.num_free == 0
     prop.update(2, [4, 5, 6], 3, [], None)

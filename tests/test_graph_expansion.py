@@ -36,7 +36,7 @@ def test_bucketed_expansion_equals_direct(draft_dir, name):
     assert validate_tree(t1, p1, env.num_nodes, 96) is None
     # 3 rows ran in the 4-bucket; the smaller buckets were made with it, so a batch
     # that shrinks later replays instead of capturing mid-serving
-    assert sorted(k[0] for k in bucketed.expander.graphs) == [1, 2, 4]
+    assert bucketed.expander.buckets.batches("expand") == [1, 2, 4]
 
 
 @pytest.mark.parametrize("name", ["chain4", "tree-small", "tree-wide"])
@@ -71,5 +71,23 @@ def test_fixed_catch_up_steps_equal_direct(draft_dir, name):
             seqs[s].extend(new)
             for prop in (direct, fixed):
                 prop.update(s, seqs[s], len(new), path, None)
-    assert fixed.expander.step_graphs, "the fixed catch-up never ran"
-    assert sorted({k[0] for k in fixed.expander.step_graphs}) == [1, 2, 4]
+    assert fixed.expander.buckets.batches("step") == [1, 2, 4], "the fixed catch-up never ran"
+
+
+@pytest.mark.parametrize("name", ["chain4", "tree-small"])
+def test_fixed_catch_up_padding_stays_in_reserved_pages(draft_dir, name):
+    """A one-token catch-up pads depth tokens past the committed length; for every
+    length (block size 4, so page edges fall everywhere) those slots are reserved,
+    and the trees equal the direct path's."""
+    env = envelope_from(name)
+    for n in range(3, 30):
+        direct, fixed = make(draft_dir, env), make(draft_dir, env)
+        fixed.expander = GraphExpander(fixed.net, fixed.cache, fixed.ops, env, capture=False)
+        toks = [(7 * i + 3) % 96 for i in range(n)]
+        for step in range(2):
+            for prop in (direct, fixed):
+                prop.update(0, toks, len(toks) if step == 0 else 1, [], None)
+            (t1, p1), (t2, p2) = direct.propose([0]), fixed.propose([0])
+            assert torch.equal(t1, t2) and torch.equal(p1, p2), (n, step)
+            toks = toks + [int(t1[0, 0]) % 96 + 1 if int(t1[0, 0]) + 1 < 96 else 0]
+        assert fixed.expander.buckets.batches("step") == [1]

@@ -1,0 +1,73 @@
+"""Fixed-shape functions captured per (batch bucket, page bucket), with a scratch page.
+
+A step that runs at fixed shapes pads its batch to the next batch bucket (padding
+rows point every page at one scratch page and their results are dropped) and its
+page tables to the next power-of-two width. ``BucketedGraphs`` owns the scratch
+page, the shared CUDA graph memory pool and one ``common.cuda_graph.StaticGraph``
+per (family, batch bucket, page bucket); a family names one function and its
+other static shapes. The first capture at a (family, page bucket) also captures
+every smaller batch bucket: the sequences of one batch finish at different steps,
+and a shrinking batch must not stall on a capture (seconds for a large model)
+in the middle of serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import torch
+
+from common.cuda_graph import StaticGraph
+from common.forward_batch import page_table
+from common.kv_cache import PagedKVCache, SeqPages
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+Example = Callable[[int], list[torch.Tensor]]   # batch bucket -> example inputs
+Fn = Callable[..., tuple[torch.Tensor, ...]]
+
+
+def bucket(n: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:
+    """The smallest bucket holding n (n itself past the largest)."""
+    return next((b for b in buckets if n <= b), n)
+
+
+class BucketedGraphs:
+    def __init__(self, cache: PagedKVCache, capture: bool = True) -> None:
+        self.cache, self.capture = cache, capture
+        self.scratch = cache.blocks.allocate(1)[0]        # padding rows write here
+        self.graphs: dict[tuple, StaticGraph] = {}
+        self._pool: object | None = None
+
+    def get(self, family: Hashable, b: int, p: int, example: Example, fn: Fn) -> StaticGraph:
+        """The graph of fn at (family, b, p), captured (with the smaller batch
+        buckets) on first use; example(bb) gives inputs of batch bb to capture on."""
+        for bb in [x for x in BATCH_BUCKETS if x < b] + [b]:
+            if (family, bb, p) not in self.graphs:
+                with torch.inference_mode():
+                    g = StaticGraph(fn, example(bb), capture=self.capture, pool=self._pool)
+                self._pool = g.pool or self._pool
+                self.graphs[(family, bb, p)] = g
+        return self.graphs[(family, b, p)]
+
+    def shape(self, pages: list[SeqPages]) -> tuple[int, int, torch.Tensor]:
+        """(batch bucket, page bucket, [b, p] int32 page table on the host, padded
+        with the scratch page)."""
+        real = len(pages)
+        b = bucket(real)
+        width = max(len(sp.pages) for sp in pages)
+        p = 1 << max(0, (width - 1).bit_length())
+        table = torch.full((b, p), self.scratch, dtype=torch.int32)
+        table[:real, :width] = page_table(pages, torch.device("cpu"), fill=self.scratch)
+        return b, p, table
+
+    def host(self, *xs: torch.Tensor) -> list[torch.Tensor]:
+        """Host inputs, pinned on a GPU so the replay's copies do not block."""
+        return [x.pin_memory() for x in xs] if self.cache.device.type == "cuda" else list(xs)
+
+    def table_example(self, bb: int, p: int) -> torch.Tensor:
+        return torch.full((bb, p), self.scratch, dtype=torch.int32, device=self.cache.device)
+
+    def batches(self, family: Hashable) -> list[int]:
+        """Batch buckets captured so far for family (tests and logs)."""
+        return sorted({k[1] for k in self.graphs if k[0] == family})
