@@ -44,14 +44,15 @@ import torch
 from common.block_manager import OutOfPages
 from common.devices import pick_device, pick_dtype
 from common.errors import InvalidRequest
-from common.forward_batch import build_forward_batch, chain_chunk, device_forward_batch, page_table
+from common.forward_batch import build_forward_batch, chain_chunk, page_table
 from common.kv_cache import PagedKVCache, SeqPages
 from common.model_paths import resolve_model
 from common.tree import TreeEnvelope
 from draft_service.config import DraftConfig
 from draft_service.eagle3_head import Eagle3Head
+from draft_service.eagle3_step import Eagle3Graphs, expand_eagle3
+from draft_service.graph_expansion import level_depths
 from draft_service.proposer import padding_trees, warm_up
-from draft_service.tree_build import Expansion
 from kernels.dispatch import select
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,10 @@ class Eagle3Proposer:
         self.target_hidden_layers: tuple[int, ...] = head.spec.aux_layer_ids
         self.model = model_name
         self._seqs: OrderedDict[int, _Seq] = OrderedDict()
+        # on a GPU a draft step replays a CUDA graph per batch bucket
+        self.graphs = Eagle3Graphs(head, self.cache, ops, env) \
+            if head.device.type == "cuda" else None
+        self._depths = level_depths(env, head.device)
 
     @classmethod
     def from_config(cls, cfg: DraftConfig) -> "Eagle3Proposer":
@@ -132,7 +137,9 @@ class Eagle3Proposer:
     def _reserve(self, seq_ids: list[int]) -> list[int]:
         """Rows that can draft: at least one committed pair and pages for all pairs
         plus the scratch tree. A row that does not fit is padding this step."""
-        scratch = (self.env.depth - 1) * self.env.topk
+        # past the committed pairs: the tree's scratch, and the padded tail of a
+        # fixed-shape catch-up (up to depth slots after a one-pair catch-up)
+        scratch = max((self.env.depth - 1) * self.env.topk, self.env.depth)
         rows = []
         for r, s in enumerate(seq_ids):
             st = self._seqs[s]
@@ -149,38 +156,29 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def _draft(self, seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Catch up, expand and rerank: tokens, parents [B, N] int32 (target ids)."""
+        """Catch up, expand and rerank: tokens, parents [B, N] int32 (target ids).
+        In steady state (at most depth + 1 new pairs a row) on a GPU this is one
+        graph replay (eagle3_step); a longer catch-up runs eagerly first."""
         head, env, ops = self.head, self.env, self.ops
-        chunks, feats = [], []
+        new_tokens, new_feats = [], []
         for st in seqs:
             pairs = len(st.tokens) - 1
             st.pages.kv_len = min(st.pages.kv_len, pairs - 1)
             rows = torch.cat(st.feats) if len(st.feats) > 1 else st.feats[0]
-            feats.append(rows[st.pages.kv_len - st.feat_base:])
-            chunks.append(chain_chunk(st.pages, st.tokens[st.pages.kv_len + 1:]))
+            new_feats.append(rows[st.pages.kv_len - st.feat_base:])
+            new_tokens.append(st.tokens[st.pages.kv_len + 1:])
             st.feat_base, st.feats = pairs - 1, [rows[-1:].clone()]
-        fb = build_forward_batch(chunks, self.cache)
-        out = head(fb, self.cache, ops, head.features(torch.cat(feats)))   # [T, H]
-        root = out[fb.last]                                                # [B, H]
+        pages = [st.pages for st in seqs]
+        if self.graphs is not None and max(map(len, new_tokens)) <= self.graphs.catch_up_len:
+            out = self.graphs(new_tokens, new_feats, pages)
+        else:
+            fb = build_forward_batch([chain_chunk(sp, t) for sp, t in zip(pages, new_tokens)],
+                                     self.cache)
+            root = head(fb, self.cache, ops, head.features(torch.cat(new_feats)))[fb.last]
+            dev = self.cache.device
+            ctx = torch.tensor([len(st.tokens) - 1 for st in seqs], dtype=torch.int32, device=dev)
+            out = expand_eagle3(head, self.cache, ops, env, self._depths, root, ctx,
+                                page_table(pages, dev))
         for st in seqs:
             st.pages.kv_len = len(st.tokens) - 1
-        exp = Expansion(head.logits(root, ops).log_softmax(-1), env.topk, env.depth)
-        b, k, hid = len(seqs), env.topk, root.shape[-1]
-        prev = root.new_zeros(b, 0, hid)               # [B, (level-1)*K, H] last chunk's outputs
-        dev = self.cache.device
-        ctx = torch.tensor([st.pages.kv_len for st in seqs], dtype=torch.int32, device=dev)
-        table = page_table([st.pages for st in seqs], dev)
-        for level in range(1, env.depth):
-            tok, par, depths = exp.chunk(level)                            # [B, level*K]
-            src = torch.cat([root.unsqueeze(1), prev], 1)                  # parent -1 = root
-            hin = src.gather(1, (par + 1).unsqueeze(-1).expand(-1, -1, hid))
-            fb = device_forward_batch(head.to_target(tok), par,
-                                      torch.tensor(depths, device=dev), ctx, table,
-                                      self.cache.block_size)
-            prev = head(fb, self.cache, ops, hin.view(b * level * k, hid))
-            prev = prev.view(b, level * k, hid)
-            newest = prev[:, (level - 1) * k:]                             # [B, K, H]
-            logp = head.logits(newest.reshape(b * k, -1), ops).log_softmax(-1)
-            exp.grow(level, logp.view(b, k, -1))
-        t, p, _ = exp.rerank(env.num_nodes)
-        return head.to_target(t), p
+        return out
