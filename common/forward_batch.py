@@ -99,6 +99,20 @@ def device_forward_batch(tokens: torch.Tensor, chunk_parents: torch.Tensor,
         last=torch.arange(b, device=dev) * t + t - 1)
 
 
+def padded_chain_batch(tokens: torch.Tensor, count: torch.Tensor, context_lens: torch.Tensor,
+                       block_tables: torch.Tensor, block_size: int) -> ForwardBatch:
+    """device_forward_batch of B chains of up to T tokens: row b's first count[b]
+    (>= 1) tokens are a chain written from context_lens[b] on, the rest padding
+    (each sees only itself and nobody sees it; their slots, past the chain, must
+    be reserved and are the caller's to overwrite or ignore)."""
+    t = tokens.shape[1]
+    i = torch.arange(t, device=tokens.device)
+    live = i.unsqueeze(0) < count.long().unsqueeze(1)                           # [B, T]
+    parents = torch.where(live, (i - 1).unsqueeze(0), torch.full_like(live, -2, dtype=torch.long))
+    return device_forward_batch(tokens, parents.to(torch.int32), i, context_lens, block_tables,
+                                block_size)
+
+
 def page_table(seqs: list[SeqPages], device: torch.device, fill: int = 0) -> torch.Tensor:
     """[B, max pages] int32 page tables, padded with `fill`."""
     width = max(len(s.pages) for s in seqs)

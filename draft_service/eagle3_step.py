@@ -15,10 +15,10 @@ from types import ModuleType
 
 import torch
 
-from common.forward_batch import device_forward_batch
+from common.forward_batch import device_forward_batch, padded_chain_batch
 from common.graph_buckets import BucketedGraphs
 from common.kv_cache import PagedKVCache, SeqPages
-from common.tree import PAD, TreeEnvelope
+from common.tree import TreeEnvelope
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.graph_expansion import level_depths
 from draft_service.tree_build import Expansion
@@ -56,10 +56,7 @@ def eagle3_step(head: Eagle3Head, cache: PagedKVCache, ops: ModuleType, env: Tre
     tail is padding (it sees only itself and writes slots the expansion
     overwrites or never reads). table covers ctx0 + C + the tree's scratch."""
     b, c = tokens.shape
-    i = torch.arange(c, device=tokens.device)
-    live = i.unsqueeze(0) < count.long().unsqueeze(1)
-    parents = torch.where(live, (i - 1).unsqueeze(0), torch.full_like(live, PAD, dtype=torch.long))
-    fb = device_forward_batch(tokens, parents.to(torch.int32), i, ctx0, table, cache.block_size)
+    fb = padded_chain_batch(tokens, count, ctx0, table, cache.block_size)
     out = head(fb, cache, ops, head.features(feats.reshape(b * c, -1)))          # [B*C, H]
     root = out.view(b, c, -1)[torch.arange(b, device=tokens.device), count.long() - 1]
     return expand_eagle3(head, cache, ops, env, depths, root, ctx0 + count, table)

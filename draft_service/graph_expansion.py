@@ -20,11 +20,11 @@ from types import ModuleType
 
 import torch
 
-from common.forward_batch import device_forward_batch
+from common.forward_batch import device_forward_batch, padded_chain_batch
 from common.graph_buckets import BucketedGraphs
 from common.kv_cache import PagedKVCache, SeqPages
 from common.qwen3 import Qwen3Model
-from common.tree import PAD, TreeEnvelope
+from common.tree import TreeEnvelope
 from draft_service.tree_build import Expansion
 
 def level_depths(env: TreeEnvelope, device: torch.device) -> list[torch.Tensor]:
@@ -61,10 +61,7 @@ def catch_up_and_expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType,
     writes lie past the committed length (the expansion overwrites or never reads
     them)."""
     b, c = tokens.shape
-    i = torch.arange(c, device=tokens.device)
-    live = i.unsqueeze(0) < count.long().unsqueeze(1)                           # [B, C]
-    parents = torch.where(live, (i - 1).unsqueeze(0), torch.full_like(live, PAD, dtype=torch.long))
-    fb = device_forward_batch(tokens, parents.to(torch.int32), i, ctx0, table, cache.block_size)
+    fb = padded_chain_batch(tokens, count, ctx0, table, cache.block_size)
     hidden, _ = net(fb, cache, ops)                                              # [B*C, H]
     last = hidden.view(b, c, -1)[torch.arange(b, device=tokens.device), count.long() - 1]
     logp = net.logits(last).log_softmax(-1)                                      # [B, V]
