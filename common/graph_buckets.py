@@ -61,6 +61,20 @@ class BucketedGraphs:
         table[:real, :width] = page_table(pages, torch.device("cpu"), fill=self.scratch)
         return b, p, table
 
+    @staticmethod
+    def chain_inputs(new_tokens: list[list[int]], pages: list[SeqPages], b: int, c: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Host inputs of a padded catch-up (forward_batch.padded_chain_batch) for a
+        batch bucket of b: tokens [b, c] int64, count [b] and context lengths [b]
+        int32; padding rows hold one token at position 0."""
+        tokens = torch.zeros((b, c), dtype=torch.int64)
+        count = torch.ones(b, dtype=torch.int32)
+        ctx0 = torch.zeros(b, dtype=torch.int32)
+        for r, (new, sp) in enumerate(zip(new_tokens, pages)):
+            tokens[r, :len(new)] = torch.tensor(new)
+            count[r], ctx0[r] = len(new), sp.kv_len
+        return tokens, count, ctx0
+
     def host(self, *xs: torch.Tensor) -> list[torch.Tensor]:
         """Host inputs, pinned on a GPU so the replay's copies do not block."""
         return [x.pin_memory() for x in xs] if self.cache.device.type == "cuda" else list(xs)

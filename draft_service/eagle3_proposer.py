@@ -52,7 +52,7 @@ from draft_service.config import DraftConfig
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.eagle3_step import Eagle3Graphs, expand_eagle3
 from draft_service.graph_expansion import level_depths
-from draft_service.proposer import padding_trees, warm_up
+from draft_service.proposer import padding_trees
 from kernels.dispatch import select
 
 log = logging.getLogger(__name__)
@@ -90,11 +90,8 @@ class Eagle3Proposer:
         device = pick_device(cfg.device)
         head = Eagle3Head.from_pretrained(resolve_model(cfg.model), cfg.target_embeddings,
                                           pick_dtype(cfg.dtype, device), device)
-        proposer = cls(head, cfg.envelope, select(device, cfg.kernels), cfg.num_blocks,
-                       cfg.block_size, model_name=cfg.model)
-        if device.type == "cuda":
-            log.info("warm-up (kernel compiles) took %.1f s", warm_up(proposer))
-        return proposer
+        return cls(head, cfg.envelope, select(device, cfg.kernels), cfg.num_blocks,
+                   cfg.block_size, model_name=cfg.model)
 
     # ------------------------------------------------------------ state
     def update(self, seq_id: int, tokens: list[int], new_count: int,

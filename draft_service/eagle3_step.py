@@ -83,14 +83,10 @@ class Eagle3Graphs:
         f = self.head.spec.feature_size
         real = len(pages)
         b, p, table = gb.shape(pages)
-        tokens = torch.zeros((b, c), dtype=torch.int64)
-        count = torch.ones(b, dtype=torch.int32)
-        ctx0 = torch.zeros(b, dtype=torch.int32)
+        tokens, count, ctx0 = gb.chain_inputs(new_tokens, pages, b, c)
         feats = torch.zeros((b, c, f), dtype=self.head.dtype, device=dev)
-        for r, (new, rows, sp) in enumerate(zip(new_tokens, new_feats, pages)):
-            tokens[r, :len(new)] = torch.tensor(new)
-            count[r], ctx0[r] = len(new), sp.kv_len
-            feats[r, :len(new)] = rows
+        for r, rows in enumerate(new_feats):
+            feats[r, :rows.shape[0]] = rows
         head, cache, ops, env, depths = self.head, self.cache, self.ops, self.env, self.depths
 
         def example(bb: int) -> list[torch.Tensor]:

@@ -89,12 +89,7 @@ class GraphExpander:
         gb, dev, c = self.buckets, self.cache.device, self.catch_up_len
         real = len(pages)
         b, p, table = gb.shape(pages)
-        tokens = torch.zeros((b, c), dtype=torch.int64)
-        count = torch.ones(b, dtype=torch.int32)
-        ctx0 = torch.zeros(b, dtype=torch.int32)
-        for r, (new, sp) in enumerate(zip(new_tokens, pages)):
-            tokens[r, :len(new)] = torch.tensor(new)
-            count[r], ctx0[r] = len(new), sp.kv_len
+        tokens, count, ctx0 = gb.chain_inputs(new_tokens, pages, b, c)
 
         def example(bb: int) -> list[torch.Tensor]:
             return [torch.zeros((bb, c), dtype=torch.int64, device=dev),

@@ -24,8 +24,6 @@ not the committed ones) is simply recomputed.
 
 from __future__ import annotations
 
-import logging
-
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -40,11 +38,9 @@ from common.model_paths import resolve_model
 from common.qwen3 import Qwen3Model
 from common.tree import ROOT, TreeEnvelope
 from draft_service.config import DraftConfig
-from draft_service.proposer import padding_trees, warm_up
+from draft_service.proposer import padding_trees
 from draft_service.graph_expansion import GraphExpander, expand, level_depths
 from kernels.dispatch import select
-
-log = logging.getLogger("treespec.draft.model")
 
 
 @dataclass
@@ -82,12 +78,8 @@ class ModelProposer:
         bind_device(device)
         model = Qwen3Model.from_pretrained(resolve_model(cfg.model), pick_dtype(cfg.dtype, device),
                                            device)
-        proposer = cls(model, cfg.envelope, select(device, cfg.kernels), cfg.num_blocks,
-                       cfg.block_size, model_name=cfg.model)
-        if device.type == "cuda":
-            log.info("warm-up (kernel compiles, expansion graphs) took %.1f s",
-                     warm_up(proposer))
-        return proposer
+        return cls(model, cfg.envelope, select(device, cfg.kernels), cfg.num_blocks,
+                   cfg.block_size, model_name=cfg.model)
 
     # ------------------------------------------------------------ state
     def update(self, seq_id: int, tokens: list[int], new_count: int,

@@ -1,6 +1,6 @@
-"""The draft-model proposer on a GPU: warm-up, captured expansion and captured
-steady-state steps (catch-up + expansion in one replay) draft, in fp32, the trees
-the CPU reference path drafts. Skipped without CUDA."""
+"""The draft-model proposer on a GPU: captured expansion and captured steady-state
+steps (catch-up + expansion in one replay) draft, in fp32, the trees the CPU
+reference path drafts. Skipped without CUDA."""
 
 from __future__ import annotations
 

@@ -1,0 +1,61 @@
+"""The EAGLE-3 proposer's start-up warm-up and its fixed-shape step (what a GPU
+replays as one CUDA graph), against the eager path on the CPU."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from common.tree import PRESETS, ROOT
+from draft_service.eagle3_step import Eagle3Graphs
+from draft_service.proposer import warm_up
+from test_eagle3 import C, _inputs, _proposer, head_dir  # noqa: F401  (head_dir: fixture)
+
+
+def test_warm_up_leaves_no_state_and_proposals_unchanged(head_dir):
+    """The GPU start-up warm-up (here eagerly, zero features) returns every page,
+    keeps no sequence, and later proposals equal a fresh proposer's."""
+    env = PRESETS["tree-small"]
+    warm, cold = _proposer(head_dir, env), _proposer(head_dir, env)
+    free = warm.cache.blocks.num_free
+    assert warm_up(warm, lengths=(3, 20), batch=3) >= 0
+    assert not warm._seqs and warm.cache.blocks.num_free == free
+    tokens, rows = _inputs(4, 9)
+    for p in (warm, cold):
+        p.update(1, tokens, len(tokens), [], rows)
+    (tw, pw), (tc, pc) = warm.propose([1]), cold.propose([1])
+    assert torch.equal(tw, tc) and torch.equal(pw, pc)
+
+
+@pytest.mark.parametrize("name", ["chain4", "tree-small", "tree-wide"])
+def test_fixed_shape_step_equals_direct(head_dir, name):
+    """The step a GPU replays (catch-up padded to depth + 1 pairs, then the
+    expansion, eagle3_step) proposes exactly what the eager path does, over steps
+    with random accepted paths and over lengths that put the padding on page edges."""
+    env = PRESETS[name]
+    rng = random.Random(11)
+    g = torch.Generator().manual_seed(12)
+    for n in (3, 6, 7, 8, 13):
+        direct, fixed = _proposer(head_dir, env), _proposer(head_dir, env)
+        fixed.graphs = Eagle3Graphs(fixed.head, fixed.cache, fixed.ops, env, capture=False)
+        tokens, rows = _inputs(n, n)
+        for prop in (direct, fixed):
+            prop.update(0, tokens, len(tokens), [], rows)
+        for step in range(4):
+            (t1, p1), (t2, p2) = direct.propose([0]), fixed.propose([0])
+            assert torch.equal(t1, t2) and torch.equal(p1, p2), (n, step)
+            path, cur = [], ROOT
+            while rng.random() < 0.6:
+                kids = [i for i, q in enumerate(p1[0].tolist()) if q == cur]
+                if not kids:
+                    break
+                cur = rng.choice(kids)
+                path.append(cur)
+            new = [int(t1[0, i]) for i in path] + [rng.randrange(96)]
+            tokens = tokens + new
+            feats = torch.randn(len(new), C, generator=g)
+            for prop in (direct, fixed):
+                prop.update(0, tokens, len(new), path, feats)
+        assert fixed.graphs.buckets.batches("step") == [1]
