@@ -42,7 +42,7 @@ from types import ModuleType
 import torch
 
 from common.block_manager import OutOfPages
-from common.devices import pick_device, pick_dtype
+from common.devices import bind_device, pick_device, pick_dtype
 from common.errors import InvalidRequest
 from common.forward_batch import build_forward_batch, chain_chunk, page_table
 from common.kv_cache import PagedKVCache, SeqPages
@@ -88,6 +88,7 @@ class Eagle3Proposer:
     @classmethod
     def from_config(cls, cfg: DraftConfig) -> "Eagle3Proposer":
         device = pick_device(cfg.device)
+        bind_device(device)      # graphs and pinned staging land on it, as for the draft model
         head = Eagle3Head.from_pretrained(resolve_model(cfg.model), cfg.target_embeddings,
                                           pick_dtype(cfg.dtype, device), device)
         return cls(head, cfg.envelope, select(device, cfg.kernels), cfg.num_blocks,
