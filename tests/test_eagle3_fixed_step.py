@@ -59,3 +59,40 @@ def test_fixed_shape_step_equals_direct(head_dir, name):
             for prop in (direct, fixed):
                 prop.update(0, tokens, len(new), path, feats)
         assert fixed.graphs.buckets.batches("step") == [1]
+
+
+@pytest.mark.parametrize("step_mode", ["fixed", "ragged"])
+@pytest.mark.parametrize("slow_call", [1, 2, 3])
+def test_late_drafter_keeps_hidden_rows_aligned(target_dir, head_dir, step_mode, slow_call):
+    """A drafter that misses the step deadline turns steps into plain decode; those
+    steps must still capture the root's hidden row, or the next update carries too
+    few rows and the drafter refuses the stream. Output stays greedy's, and the
+    only fallbacks are the deadline's own."""
+    import asyncio
+    import time
+
+    from common.client import AsyncTreespecClient
+    from inproc import greedy_reference, services
+    from test_eagle3 import MAX_TOKENS, PROMPTS
+
+    async def go():
+        async with services(target_dir, "eagle3", head_dir, "tree-small", step_mode=step_mode,
+                            step_deadline_ms=30) as h:
+            prop = h["draft_engine"].proposer
+            propose, calls = prop.propose, [0]
+
+            def late(ids):
+                calls[0] += 1
+                if calls[0] in (slow_call, slow_call + 3):
+                    time.sleep(0.1)
+                return propose(ids)
+            prop.propose = late
+            async with AsyncTreespecClient(h["addr"]) as c:
+                outs = [await c.generate(prompt_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True)
+                        for p in PROMPTS]
+            return outs, dict(h["engine"].fallbacks)
+    outs, fallbacks = asyncio.run(go())
+    for p, out in zip(PROMPTS, outs):
+        assert out.token_ids == greedy_reference(target_dir, p, MAX_TOKENS)
+    assert "deadline" in fallbacks
+    assert set(fallbacks) <= {"deadline", "busy"}, fallbacks

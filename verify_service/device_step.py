@@ -45,7 +45,8 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
     if not capture:
         return accepted, num, bonus
     feats = torch.cat(captured, -1).view(b, t, -1)                       # [B, T, C]
-    rows = torch.cat([torch.zeros_like(accepted[:, :1]), accepted.clamp(min=0) + 1], 1)
+    root = torch.zeros((b, 1), dtype=accepted.dtype, device=accepted.device)  # also when depth 0
+    rows = torch.cat([root, accepted.clamp(min=0) + 1], 1)
     path = torch.gather(feats, 1, rows.long().unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
     return accepted, num, bonus, path
 

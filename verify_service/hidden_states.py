@@ -20,15 +20,16 @@ class HiddenBuffer:
     whole history (the sequence's states are kept while a drafter reads them)."""
 
     def __init__(self, rows: torch.Tensor) -> None:
-        self._buf = rows
+        self._buf = rows            # borrowed (a view of the prefill's output) until grown
+        self._owned = False
         self.len = rows.shape[0]
 
     def append(self, rows: torch.Tensor) -> None:
         need = self.len + rows.shape[0]
-        if need > self._buf.shape[0]:
+        if need > self._buf.shape[0] or not self._owned:
             grown = self._buf.new_empty((max(need, 2 * self._buf.shape[0]), self._buf.shape[1]))
             grown[:self.len] = self._buf[:self.len]
-            self._buf = grown
+            self._buf, self._owned = grown, True
         self._buf[self.len:need] = rows
         self.len = need
 
