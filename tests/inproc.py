@@ -27,6 +27,12 @@ def greedy_reference(model_dir: Path, prompt: list[int], max_tokens: int) -> lis
     return out[0, len(prompt):].tolist()
 
 
+# Tests assert that every proposal arrived (fallback_steps == 0); a 2-core CI box under
+# load can take longer than the served 100 ms default for a CPU EAGLE-3 tree, so the
+# in-process pair waits longer unless a test sets its own deadline to exercise it.
+TEST_DEADLINE_MS = 5000.0
+
+
 @contextlib.asynccontextmanager
 async def services(target: Path, method: str | None = None, draft_model: Path | None = None,
                    envelope: str = "chain4", **verify_kw) -> AsyncIterator[dict]:
@@ -44,7 +50,9 @@ async def services(target: Path, method: str | None = None, draft_model: Path | 
         handles["draft_server"] = draft
     vcfg = VerifyConfig(model=str(target), draft=handles.get("draft_addr"), device="cpu",
                         num_blocks=verify_kw.pop("num_blocks", 512), block_size=4,
-                        reconnect_s=0.2, **verify_kw)
+                        reconnect_s=0.2,
+                        step_deadline_ms=verify_kw.pop("step_deadline_ms", TEST_DEADLINE_MS),
+                        **verify_kw)
     verify, vport, engine = await verify_server.start(vcfg)
     handles.update(addr=f"127.0.0.1:{vport}", engine=engine)
     try:
