@@ -23,6 +23,12 @@ from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 log = logging.getLogger("treespec.verify.draft_link")
 
 Fallback = Literal["no_draft", "disconnected", "busy", "deadline", "invalid_proposal"]
+_EXPIRED, _DROPPED = object(), object()     # why a step's wait ended without an answer
+
+
+def _settle(fut: asyncio.Future, value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 class DraftLink:
@@ -35,8 +41,8 @@ class DraftLink:
         self.epoch = 0
         self._call: grpc.aio.StreamStreamCall | None = None
         self._channel: grpc.aio.Channel | None = None
-        self._responses: asyncio.Queue[pb.Proposal | None] = asyncio.Queue()
         self._outstanding: int | None = None   # step id still unanswered
+        self._waiter: asyncio.Future | None = None   # propose() waiting for that answer
         self._task: asyncio.Task | None = None
         self._staging = codec.Staging()
         self._closed = False
@@ -57,6 +63,7 @@ class DraftLink:
         call, channel = self._call, self._channel
         self._call = self._channel = None
         self._outstanding = None
+        self._wake(_DROPPED)
         if call is not None:
             call.cancel()
         if channel is not None:
@@ -88,48 +95,56 @@ class DraftLink:
                                f"target has layers 0..{self.num_layers}; not using this draft")
         self.info = info
         self._call = stub.Speculate()
-        self._responses = asyncio.Queue()
         self.epoch += 1
         log.info("draft %s connected: %s, envelope %s", self.addr, info.proposer, info.envelope)
         async for msg in self._call:
-            self._responses.put_nowait(msg)
+            self._deliver(msg)
         raise RuntimeError("draft closed the Speculate stream")
 
+    def _deliver(self, msg: pb.Proposal) -> None:
+        """Hand the awaited answer to propose(); a late answer to a step that already
+        timed out only frees the draft for the next step (never applied)."""
+        if msg.step_id != self._outstanding:
+            return
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(msg)
+        else:
+            self._outstanding = None
+
+    def _wake(self, value: object) -> None:
+        if self._waiter is not None:
+            _settle(self._waiter, value)
+
     async def propose(self, req: SpecRequest, timeout_s: float) -> TreeBatch | Fallback:
-        """Send one step's request and wait up to timeout_s for its proposal."""
+        """Send one step's request and wait up to timeout_s for its proposal.
+
+        One future per step, completed by the stream reader, by a timer at the
+        deadline or by a dropped connection: no queue and no extra task per step."""
         if not self.ready:
             return "disconnected"
-        if self._outstanding is not None and not self._drain_stale():
-            return "busy"
+        if self._outstanding is not None:
+            return "busy"            # the draft is still on a step that timed out
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        self._outstanding = req.step_id
+        timer = loop.call_later(timeout_s, _settle, waiter, _EXPIRED)
         try:
             await self._call.write(wire.spec_request_to_pb(req, self._staging))
+            msg = await waiter
         except Exception as e:
             log.warning("draft write failed: %s", e)
+            self._outstanding = None
             return "disconnected"
-        self._outstanding = req.step_id
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout_s
-        while True:
-            left = end - loop.time()
-            if left <= 0:
-                return "deadline"
-            try:
-                msg = await asyncio.wait_for(self._responses.get(), left)
-            except asyncio.TimeoutError:
-                return "deadline"
-            if msg.step_id == req.step_id:
-                self._outstanding = None
-                try:
-                    return wire.tree_batch_from_pb(msg)
-                except codec.CodecError as e:
-                    log.warning("draft sent an undecodable proposal: %s", e)
-                    return "invalid_proposal"
-            # a stale proposal of an earlier step: dropped, never applied
-
-    def _drain_stale(self) -> bool:
-        """Drop answers that arrived late; True once the outstanding step is answered."""
-        while not self._responses.empty():
-            msg = self._responses.get_nowait()
-            if msg.step_id == self._outstanding:
-                self._outstanding = None
-        return self._outstanding is None
+        finally:
+            timer.cancel()
+            self._waiter = None
+        if msg is _EXPIRED:
+            return "deadline"
+        if msg is _DROPPED:
+            return "disconnected"
+        self._outstanding = None
+        try:
+            return wire.tree_batch_from_pb(msg)
+        except codec.CodecError as e:
+            log.warning("draft sent an undecodable proposal: %s", e)
+            return "invalid_proposal"

@@ -1,0 +1,107 @@
+"""The verify side's DraftLink against a real gRPC drafter that answers on a script:
+an answer in time is returned, a late one gives "deadline", the step after it is
+"busy" until that late answer lands (and is never applied), then the link serves
+again; a drafter that goes away mid-wait gives "disconnected" at once, not at the
+deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import torch
+
+from common import codec
+from common.grpc_server import start_server
+from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, TreeBatch
+from common.tree import PRESETS
+from common.wire import drafter_info_to_pb
+from protos.treespec.v1 import treespec_pb2 as pb
+from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from verify_service.draft_link import DraftLink
+
+ENV = PRESETS["chain4"]
+
+
+class ScriptedDrafter(pb_grpc.DrafterServicer):
+    """Answers step s after delays[s] seconds (0 when absent) with tokens all equal to s;
+    a delay of None ends the stream with the step unanswered."""
+
+    def __init__(self, delays: dict[int, float | None]) -> None:
+        self.delays = delays
+        self.gone = asyncio.Event()
+
+    async def GetInfo(self, request, context):
+        return drafter_info_to_pb(DrafterInfo(ENV, 64, "scripted"))
+
+    async def Speculate(self, request_iterator, context):
+        async for req in request_iterator:
+            delay = self.delays.get(req.step_id, 0.0)
+            if delay is None:
+                self.gone.set()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+            await asyncio.sleep(delay)
+            b = len(req.sequences)
+            tokens = torch.full((b, ENV.num_nodes), req.step_id, dtype=torch.int32)
+            parents = torch.arange(-1, ENV.num_nodes - 1, dtype=torch.int32).repeat(b, 1)
+            yield pb.Proposal(step_id=req.step_id, seq_ids=[s.seq_id for s in req.sequences],
+                              tokens=codec.encode(tokens), parents=codec.encode(parents))
+
+
+def _req(step: int) -> SpecRequest:
+    return SpecRequest(step, [SeqUpdate(seq_id=1, committed_len=3 + step,
+                                        new_tokens=[1, 2, 3] if step == 1 else [4],
+                                        full=step == 1)])
+
+
+async def _linked(drafter: ScriptedDrafter):
+    server, port = await start_server(
+        "127.0.0.1", 0, lambda s: pb_grpc.add_DrafterServicer_to_server(drafter, s),
+        ["treespec.v1.Drafter"])
+    link = DraftLink(f"127.0.0.1:{port}", reconnect_s=30, vocab_size=64, num_layers=2)
+    link.start()
+    for _ in range(250):
+        if link.ready:
+            break
+        await asyncio.sleep(0.02)
+    assert link.ready
+    return server, link
+
+
+def test_late_answers_give_deadline_then_busy_and_are_never_applied():
+    async def go():
+        server, link = await _linked(ScriptedDrafter({2: 0.4}))
+        try:
+            got = [await link.propose(_req(1), 1.0)]
+            got.append(await link.propose(_req(2), 0.1))        # answered at 0.4 s
+            got.append(await link.propose(_req(3), 1.0))        # step 2 still running
+            await asyncio.sleep(0.5)                            # its answer lands
+            got.append(await link.propose(_req(4), 1.0))
+            return got
+        finally:
+            await link.close()
+            await server.stop(0.2)
+
+    first, late, busy, after = asyncio.run(go())
+    assert isinstance(first, TreeBatch) and first.step_id == 1
+    assert late == "deadline" and busy == "busy"
+    assert isinstance(after, TreeBatch) and after.step_id == 4
+    assert bool((after.tokens == 4).all())      # step 2's late tree was dropped
+
+
+def test_a_drafter_going_away_mid_wait_is_disconnected_at_once():
+    async def go():
+        drafter = ScriptedDrafter({2: None})
+        server, link = await _linked(drafter)
+        try:
+            assert isinstance(await link.propose(_req(1), 5.0), TreeBatch)
+            t0 = time.perf_counter()
+            why = await link.propose(_req(2), 5.0)
+            return why, time.perf_counter() - t0, link.ready
+        finally:
+            await link.close()
+            await server.stop(0.2)
+
+    why, waited, ready = asyncio.run(go())
+    assert why == "disconnected" and waited < 2.0 and not ready
