@@ -57,12 +57,11 @@ class ReplayProposer:
             if found is None:
                 continue
             ref, done = found
-            draft = ref[done:done + self.depth]
-            for i, t in enumerate(draft):
-                if self.rng.random() < self.corrupt:
-                    t = (t + 1) % self.vocab_size
-                tokens[row, i] = t
-                parents[row, i] = i - 1
+            draft = [(t + 1) % self.vocab_size if self.rng.random() < self.corrupt else t
+                     for t in ref[done:done + self.depth]]
+            if draft:     # one row write each: this runs inside every timed step
+                tokens[row, :len(draft)] = torch.tensor(draft, dtype=torch.int32)
+                parents[row, :len(draft)] = torch.arange(-1, len(draft) - 1, dtype=torch.int32)
         return tokens, parents
 
 

@@ -7,6 +7,8 @@ copy (one sync per message); host -> device goes from the message bytes via
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from protos.treespec.v1 import treespec_pb2 as pb
@@ -40,34 +42,38 @@ class Staging:
         return host
 
 
+# numpy has no bfloat16: its bytes travel through a same-width integer view
+_BYTES_VIEW = {torch.bfloat16: torch.int16}
+
+
 def encode(t: torch.Tensor, staging: Staging | None = None) -> pb.Tensor:
-    if t.dtype not in NAMES:
+    name = NAMES.get(t.dtype)
+    if name is None:
         raise CodecError(f"dtype {t.dtype} cannot travel")
-    host = (staging or Staging()).host_copy(t.detach())
-    raw = host.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if host.numel() else b""
-    return pb.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), data=raw)
+    t = t.detach()
+    host = (staging or Staging()).host_copy(t) if t.device.type == "cuda" else t.contiguous()
+    raw = host.view(_BYTES_VIEW.get(t.dtype, t.dtype)).numpy().tobytes() if host.numel() else b""
+    return pb.Tensor(dtype=name, shape=host.shape, data=raw)
 
 
 def decode(msg: pb.Tensor, device: torch.device | str = "cpu",
            expect_dtype: torch.dtype | None = None) -> torch.Tensor:
-    if msg.dtype not in DTYPES:
+    dtype = DTYPES.get(msg.dtype)
+    if dtype is None:
         raise CodecError(f"unknown tensor dtype {msg.dtype!r}; expected one of {sorted(DTYPES)}")
-    dtype = DTYPES[msg.dtype]
     if expect_dtype is not None and dtype != expect_dtype:
         raise CodecError(f"expected a {NAMES[expect_dtype]} tensor, got {msg.dtype}")
-    shape = tuple(int(s) for s in msg.shape)
+    shape = tuple(msg.shape)
     if any(s < 0 for s in shape):
         raise CodecError(f"negative tensor shape {shape}")
-    numel = 1
-    for s in shape:
-        numel *= s
-    size = torch.empty((), dtype=dtype).element_size()
-    if len(msg.data) != numel * size:
+    numel = math.prod(shape)
+    data = msg.data
+    if len(data) != numel * dtype.itemsize:
         raise CodecError(f"tensor of shape {shape} and dtype {msg.dtype} needs "
-                         f"{numel * size} bytes, got {len(msg.data)}")
+                         f"{numel * dtype.itemsize} bytes, got {len(data)}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype, device=device)
-    host = torch.frombuffer(bytearray(msg.data), dtype=dtype).view(shape)
-    if torch.device(device).type == "cuda":
+    host = torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
+    if device != "cpu" and torch.device(device).type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host

@@ -1,7 +1,8 @@
 """CUDA graphs that replay only at the shapes they were captured for.
 
 ``StaticGraph`` owns static input buffers of fixed shape and dtype. A call copies
-its arguments into them and replays; an argument of any other shape or dtype is
+its arguments into them (host arguments through the graph's own pinned staging
+buffers, so a step allocates no pinned memory and its uploads never block) and replays; an argument of any other shape or dtype is
 refused with ``ShapeMismatch`` (a silent replay at another shape would read stale
 buffers and break losslessness). Without CUDA (or with capture=False) the same
 object runs the function eagerly over the same buffers, so the checks and the
@@ -33,7 +34,10 @@ class StaticGraph:
         self.signature = [(tuple(t.shape), t.dtype, t.device) for t in example]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, ...] = ()
-        if capture and example and example[0].device.type == "cuda":
+        on_gpu = bool(example) and example[0].device.type == "cuda"
+        self._stage: list[torch.Tensor | None] = [None] * len(example)   # made on first use
+        self._uploaded = torch.cuda.Event() if on_gpu else None
+        if capture and on_gpu:
             try:
                 self._capture(pool, warmup)
             except Exception as e:   # a fallback, not a fake: the same fn, run eagerly
@@ -68,8 +72,16 @@ class StaticGraph:
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Replay on args; the returned tensors are overwritten by the next call."""
         self.check(args)
-        for buf, a in zip(self.inputs, args):
+        if self._uploaded is not None:
+            self._uploaded.synchronize()     # the last call's uploads have left the staging
+        for i, (buf, a) in enumerate(zip(self.inputs, args)):
+            if self._uploaded is not None and a.device.type == "cpu":
+                if self._stage[i] is None:
+                    self._stage[i] = torch.empty(a.shape, dtype=a.dtype, pin_memory=True)
+                a = self._stage[i].copy_(a)
             buf.copy_(a, non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
         if self.graph is None:
             return self.fn(*self.inputs)
         self.graph.replay()

@@ -50,13 +50,18 @@ class BucketedGraphs:
                 self.graphs[(family, bb, p)] = g
         return self.graphs[(family, b, p)]
 
+    @staticmethod
+    def buckets(pages: list[SeqPages]) -> tuple[int, int]:
+        """(batch bucket, page bucket: the next power of two of the widest table)."""
+        width = max(len(sp.pages) for sp in pages)
+        return bucket(len(pages)), 1 << max(0, (width - 1).bit_length())
+
     def shape(self, pages: list[SeqPages]) -> tuple[int, int, torch.Tensor]:
         """(batch bucket, page bucket, [b, p] int32 page table on the host, padded
         with the scratch page)."""
         real = len(pages)
-        b = bucket(real)
+        b, p = self.buckets(pages)
         width = max(len(sp.pages) for sp in pages)
-        p = 1 << max(0, (width - 1).bit_length())
         table = torch.full((b, p), self.scratch, dtype=torch.int32)
         table[:real, :width] = page_table(pages, torch.device("cpu"), fill=self.scratch)
         return b, p, table
@@ -74,10 +79,6 @@ class BucketedGraphs:
             tokens[r, :len(new)] = torch.tensor(new)
             count[r], ctx0[r] = len(new), sp.kv_len
         return tokens, count, ctx0
-
-    def host(self, *xs: torch.Tensor) -> list[torch.Tensor]:
-        """Host inputs, pinned on a GPU so the replay's copies do not block."""
-        return [x.pin_memory() for x in xs] if self.cache.device.type == "cuda" else list(xs)
 
     def table_example(self, bb: int, p: int) -> torch.Tensor:
         return torch.full((bb, p), self.scratch, dtype=torch.int32, device=self.cache.device)

@@ -98,7 +98,5 @@ class Eagle3Graphs:
         def fn(*a: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return eagle3_step(head, cache, ops, env, depths, *a)
 
-        host_tokens, host_count, host_ctx0, host_table = gb.host(tokens, count, ctx0, table)
-        out = gb.get("step", b, p, example, fn)(host_tokens, feats, host_count, host_ctx0,
-                                                host_table)
+        out = gb.get("step", b, p, example, fn)(tokens, feats, count, ctx0, table)
         return tuple(x[:real].clone() for x in out)

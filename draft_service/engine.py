@@ -116,7 +116,11 @@ class DraftEngine:
                 tp0 = time.time_ns()
                 t, p = self.proposer.propose([ids[r] for r in live])
                 tp1 = time.time_ns()
-                tokens[live], parents[live] = t, p
+                if len(live) == len(ids):     # the usual case: a plain copy, no gather
+                    tokens.copy_(t)
+                    parents.copy_(p)
+                else:
+                    tokens[live], parents[live] = t, p
         except Exception:
             self.release(ids)   # never leave a half-applied state behind
             raise

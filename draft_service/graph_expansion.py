@@ -100,7 +100,7 @@ class GraphExpander:
             return catch_up_and_expand(self.net, self.cache, self.ops, self.env, self.depths,
                                        *a)
 
-        out = gb.get("step", b, p, example, fn)(*gb.host(tokens, count, ctx0, table))
+        out = gb.get("step", b, p, example, fn)(tokens, count, ctx0, table)
         return tuple(x[:real].clone() for x in out)
 
     @torch.inference_mode()
@@ -122,5 +122,5 @@ class GraphExpander:
         def fn(*a: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return expand(self.net, self.cache, self.ops, self.env, self.depths, *a)
 
-        out = gb.get("expand", b, p, example, fn)(full_logp, *gb.host(ctx, table))
+        out = gb.get("expand", b, p, example, fn)(full_logp, ctx, table)
         return tuple(x[:real].clone() for x in out)

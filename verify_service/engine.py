@@ -288,6 +288,21 @@ class VerifyEngine:
             s.accepted_nodes = []
             s.accepted_step = self._step_id
 
+    @staticmethod
+    def _tree_rows(seqs: list[Sequence], spec_seqs: list[Sequence], tree: TreeBatch
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The proposal as [len(seqs), N] rows; sequences not asked get padding trees."""
+        if len(spec_seqs) == len(seqs):          # every running sequence was asked
+            return tree.tokens, tree.parents
+        n = tree.tokens.shape[1]
+        tokens = torch.zeros((len(seqs), n), dtype=torch.int32)
+        parents = torch.full((len(seqs), n), -2, dtype=torch.int32)
+        row = {s.seq_id: i for i, s in enumerate(spec_seqs)}
+        for i, s in enumerate(seqs):
+            if s.seq_id in row:
+                tokens[i], parents[i] = tree.tokens[row[s.seq_id]], tree.parents[row[s.seq_id]]
+        return tokens, parents
+
     async def _step(self) -> None:
         seqs = [s for s in self.running if s.finish is None and not s.cancelled]
         if not seqs:
@@ -306,24 +321,20 @@ class VerifyEngine:
         tokens = parents = None
         depth = 0
         if tree is not None:
-            n = tree.tokens.shape[1]
-            tokens = torch.zeros((len(seqs), n), dtype=torch.int32)
-            parents = torch.full((len(seqs), n), -2, dtype=torch.int32)
-            row = {s.seq_id: i for i, s in enumerate(spec_seqs)}
-            for i, s in enumerate(seqs):
-                if s.seq_id in row:
-                    tokens[i], parents[i] = tree.tokens[row[s.seq_id]], tree.parents[row[s.seq_id]]
+            tokens, parents = self._tree_rows(seqs, spec_seqs, tree)
             depth = self.link.info.envelope.depth
         res = await self._compute(self.verifier.step, [s.pages for s in seqs],
                                   [s.tokens[-1] for s in seqs], tokens, parents, depth)
         t2 = time.time_ns()
         rows: list[tuple[Sequence, int, int, int, int]] = []
+        tok_l = tokens.tolist() if tokens is not None else None
+        offered_l = (parents != -2).sum(1).tolist() if parents is not None else [0] * len(seqs)
         for i, s in enumerate(seqs):
             if s.cancelled:
                 continue
             path = res.accepted[i]
-            offered = int((parents[i] != -2).sum()) if parents is not None else 0
-            new = [int(tokens[i, j]) for j in path] + [res.bonus[i]]
+            offered = offered_l[i]
+            new = [tok_l[i][j] for j in path] + [res.bonus[i]]
             kept = s.commit(new)
             s.stats.steps += 1
             s.stats.draft_tokens += offered

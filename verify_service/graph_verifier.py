@@ -2,9 +2,10 @@
 
 Same interface as ``verifier.Verifier`` (prefill, step), chosen once by the engine.
 A step pads its batch to the next batch bucket (rows on a scratch page, all
-padding) and its page tables to the next power-of-two width, copies the inputs
-through one pinned buffer, replays, and reads back accepted / num / bonus in one
-device-to-host copy: one host sync per step.
+padding) and its page tables to the next power-of-two width, packs every input
+into one int32 tensor (one upload through the graph's pinned staging), replays,
+and reads back accepted / num / bonus as one tensor: one host sync per step, and
+a handful of host-side torch calls (the step's host time is on its critical path).
 """
 
 from __future__ import annotations
@@ -43,35 +44,58 @@ class GraphVerifier(Verifier):
         for sp in pages:
             self.cache.reserve(sp, sp.kv_len + n + 1)
         gb = self.buckets
-        b, p, table = gb.shape(pages)
-        host_roots = torch.zeros(b, dtype=torch.int64)
-        host_roots[:real] = torch.tensor(roots)
-        host_tokens = torch.zeros((b, n), dtype=torch.int32)
-        host_parents = torch.full((b, n), PAD, dtype=torch.int32)
-        if n:
-            host_tokens[:real], host_parents[:real] = tokens, parents
-        ctx = torch.zeros(b, dtype=torch.int32)
-        ctx[:real] = torch.tensor([sp.kv_len for sp in pages])
+        b, p = gb.buckets(pages)
         walk, cap, dev = (depth if n else 0), self.capture_layers, self.cache.device
 
         def example(bb: int) -> list[torch.Tensor]:
-            return [torch.zeros(bb, dtype=torch.int64, device=dev),
-                    torch.zeros((bb, n), dtype=torch.int32, device=dev),
-                    torch.full((bb, n), PAD, dtype=torch.int32, device=dev),
-                    torch.zeros(bb, dtype=torch.int32, device=dev), gb.table_example(bb, p)]
+            return [pack_inputs([0] * bb, [0] * bb, None if n == 0 else [[0] * n] * bb,
+                                None if n == 0 else [[PAD] * n] * bb, [[]] * bb,
+                                bb, p, n, gb.scratch).to(dev)]
 
-        def fn(*a: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return fixed_step(self.model, self.cache, self.ops, walk, cap, *a)
+        def fn(packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return packed_step(self.model, self.cache, self.ops, walk, cap, n, packed)
 
         graph = gb.get((n, cap), b, p, example, fn)
-        accepted, num, bonus, *path = graph(*gb.host(host_roots, host_tokens, host_parents,
-                                                      ctx, table))
-        out = torch.cat([accepted.long().view(-1), num.long(), bonus.long()]).cpu()
-        d = accepted.shape[1]
-        acc_l = out[:b * d].view(b, d).tolist()
-        num_l = out[b * d:b * d + b].tolist()
-        bonus_l = out[b * d + b:].tolist()
-        for i, sp in enumerate(pages):
-            sp.kv_len += 1 + num_l[i]
-        rows = [path[0][i, :1 + num_l[i]].clone() for i in range(real)] if path else None
-        return StepResult([acc_l[i][:num_l[i]] for i in range(real)], bonus_l[:real], rows)
+        packed = pack_inputs(roots, [sp.kv_len for sp in pages],
+                             tokens.tolist() if n else None, parents.tolist() if n else None,
+                             [sp.pages for sp in pages], b, p, n, gb.scratch)
+        out, *path = graph(packed)
+        res = out.cpu().tolist()                       # the step's one host sync
+        d = out.shape[1] - 2
+        nums = [row[d] for row in res[:real]]
+        for sp, k in zip(pages, nums):
+            sp.kv_len += 1 + k
+        rows = [path[0][i, :1 + nums[i]].clone() for i in range(real)] if path else None
+        return StepResult([res[i][:nums[i]] for i in range(real)],
+                          [res[i][d + 1] for i in range(real)], rows)
+
+
+def pack_inputs(roots: list[int], ctx: list[int], tokens: list[list[int]] | None,
+                parents: list[list[int]] | None, tables: list[list[int]], b: int, p: int,
+                n: int, scratch: int) -> torch.Tensor:
+    """One [b, 2 + 2n + p] int32 host tensor: root, committed KV length, tree tokens,
+    tree parents, page table. Rows past len(roots) (and page-table tails) are padding
+    on the scratch page; one tensor means one upload per step."""
+    rows = []
+    for i, table in enumerate(tables):
+        row = [roots[i], ctx[i]]
+        if n:
+            row += tokens[i] + parents[i]
+        rows.append(row + table + [scratch] * (p - len(table)))
+    pad = [0, 0] + [0] * n + [PAD] * n + [scratch] * p
+    return torch.tensor(rows + [pad] * (b - len(rows)), dtype=torch.int32)
+
+
+def packed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: int,
+                capture: tuple[int, ...], n: int, packed: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+    """fixed_step on pack_inputs' layout; returns [B, depth + 2] int64 (accepted
+    nodes padded -1, number accepted, bonus token) and, when capturing, the path's
+    hidden states: one tensor to read back."""
+    roots, ctx = packed[:, 0].long(), packed[:, 1].contiguous()
+    tokens, parents = packed[:, 2:2 + n].contiguous(), packed[:, 2 + n:2 + 2 * n].contiguous()
+    table = packed[:, 2 + 2 * n:].contiguous()
+    accepted, num, bonus, *path = fixed_step(model, cache, ops, depth, capture, roots, tokens,
+                                             parents, ctx, table)
+    out = torch.cat([accepted.long(), num.long().unsqueeze(1), bonus.long().unsqueeze(1)], 1)
+    return (out, *path)
