@@ -34,6 +34,24 @@ def test_eight_concurrent_requests_equal_each_alone(target_dir, draft_dir, step_
     assert free
 
 
+@pytest.mark.parametrize("step_mode", ["ragged", "fixed"])
+def test_a_batch_mixing_speculative_and_plain_requests(target_dir, draft_dir, step_mode):
+    """Only some running sequences get trees (no_speculation on the others): the
+    proposal's rows are laid out over the whole batch and every output is exact."""
+    async def go():
+        async with services(target_dir, "model", draft_dir, "chain4", max_batch=4,
+                            step_mode=step_mode) as h:
+            async with AsyncTreespecClient(h["addr"]) as c:
+                return await asyncio.gather(*[
+                    c.generate(prompt_ids=p, max_tokens=16, ignore_eos=True,
+                               no_speculation=i % 2 == 1)
+                    for i, p in enumerate(PROMPTS[:4])])
+    outs = asyncio.run(go())
+    for i, (p, out) in enumerate(zip(PROMPTS, outs)):
+        assert out.token_ids == greedy_reference(target_dir, p, 16)
+        assert (out.stats["draft_tokens"] > 0) == (i % 2 == 0)
+
+
 def test_cancelled_streams_return_every_page(target_dir):
     async def go():
         async with services(target_dir, "ngram", envelope="chain4") as h:

@@ -17,8 +17,6 @@ import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
 from common.aio import cancel_and_wait
 from common.codec import Staging
 from common.errors import InvalidRequest, Unavailable
@@ -31,7 +29,7 @@ from verify_service.graph_verifier import GraphVerifier
 from verify_service.observer import EngineObserver, NullObserver, StepRecord
 from verify_service.hidden_states import HiddenBuffer, hidden_rows_for
 from verify_service.request import GenRequest
-from verify_service.sequence import Sequence
+from verify_service.sequence import Sequence, batch_trees
 from verify_service.verifier import Verifier
 
 log = logging.getLogger("treespec.verify.engine")
@@ -288,21 +286,6 @@ class VerifyEngine:
             s.accepted_nodes = []
             s.accepted_step = self._step_id
 
-    @staticmethod
-    def _tree_rows(seqs: list[Sequence], spec_seqs: list[Sequence], tree: TreeBatch
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The proposal as [len(seqs), N] rows; sequences not asked get padding trees."""
-        if len(spec_seqs) == len(seqs):          # every running sequence was asked
-            return tree.tokens, tree.parents
-        n = tree.tokens.shape[1]
-        tokens = torch.zeros((len(seqs), n), dtype=torch.int32)
-        parents = torch.full((len(seqs), n), -2, dtype=torch.int32)
-        row = {s.seq_id: i for i, s in enumerate(spec_seqs)}
-        for i, s in enumerate(seqs):
-            if s.seq_id in row:
-                tokens[i], parents[i] = tree.tokens[row[s.seq_id]], tree.parents[row[s.seq_id]]
-        return tokens, parents
-
     async def _step(self) -> None:
         seqs = [s for s in self.running if s.finish is None and not s.cancelled]
         if not seqs:
@@ -321,7 +304,7 @@ class VerifyEngine:
         tokens = parents = None
         depth = 0
         if tree is not None:
-            tokens, parents = self._tree_rows(seqs, spec_seqs, tree)
+            tokens, parents = batch_trees(seqs, spec_seqs, tree)
             depth = self.link.info.envelope.depth
         res = await self._compute(self.verifier.step, [s.pages for s in seqs],
                                   [s.tokens[-1] for s in seqs], tokens, parents, depth)

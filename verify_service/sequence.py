@@ -1,13 +1,17 @@
-"""One running request inside the verify engine: tokens, KV pages, draft sync state."""
+"""One running request inside the verify engine: tokens, KV pages, draft sync state
+(and a step's proposal laid out over the running batch)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
 
 from common.kv_cache import SeqPages
+from common.spec_types import TreeBatch
 from verify_service.request import FinishReason, GenRequest, Stats, StepOutput
 
 if TYPE_CHECKING:
@@ -70,3 +74,18 @@ class Sequence:
     def emit(self, kept: list[int]) -> None:
         stats = Stats(**vars(self.stats)) if self.finish else self.stats
         self.out.put_nowait(StepOutput(kept, self.finish, stats, self.error))
+
+
+def batch_trees(seqs: list[Sequence], spec_seqs: list[Sequence], tree: TreeBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The proposal as [len(seqs), N] rows; sequences not asked get padding trees."""
+    if len(spec_seqs) == len(seqs):          # every running sequence was asked
+        return tree.tokens, tree.parents
+    n = tree.tokens.shape[1]
+    tokens = torch.zeros((len(seqs), n), dtype=torch.int32)
+    parents = torch.full((len(seqs), n), -2, dtype=torch.int32)
+    row = {s.seq_id: i for i, s in enumerate(spec_seqs)}
+    for i, s in enumerate(seqs):
+        if s.seq_id in row:
+            tokens[i], parents[i] = tree.tokens[row[s.seq_id]], tree.parents[row[s.seq_id]]
+    return tokens, parents
