@@ -29,6 +29,7 @@ class ReplayProposer:
     target_hidden_layers: tuple[int, ...] = ()
     model = "replay-instrument"
     name = "replay-instrument"
+    light = True
 
     def __init__(self, records: list[dict], depth: int, corrupt: float, vocab: int) -> None:
         self.refs = {tuple(r["prompt"]): r["continuation"] for r in records}

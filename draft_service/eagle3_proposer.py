@@ -68,6 +68,7 @@ class _Seq:
 
 class Eagle3Proposer:
     name = "eagle3"
+    light = False
 
     def __init__(self, head: Eagle3Head, env: TreeEnvelope, ops: ModuleType,
                  num_blocks: int, block_size: int, model_name: str = "") -> None:

@@ -56,6 +56,7 @@ class _Seq:
 
 class ModelProposer:
     name = "model"
+    light = False
 
     def __init__(self, model: Qwen3Model, env: TreeEnvelope, ops: ModuleType,
                  num_blocks: int, block_size: int, model_name: str = "") -> None:

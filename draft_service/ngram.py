@@ -62,6 +62,7 @@ class NgramProposer:
     """The ``ngram`` method: one NgramIndex per sequence, no model, any vocabulary."""
 
     name = "ngram"
+    light = True
     vocab_size = 0
     target_hidden_layers: tuple[int, ...] = ()
     model = ""

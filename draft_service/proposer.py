@@ -38,6 +38,8 @@ class Proposer(Protocol):
     vocab_size: int                          # 0 = copies tokens, fits any vocabulary
     target_hidden_layers: tuple[int, ...]    # target layers it needs hidden states of
     model: str                               # checkpoint it drafts with, "" if none
+    light: bool                              # a step is host work far under 1 ms: the
+                                             # servicer runs it on its event loop
 
     def update(self, seq_id: int, tokens: list[int], new_count: int,
                accepted_nodes: list[int], hidden: torch.Tensor | None) -> None: ...

@@ -149,6 +149,30 @@ RUN_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("method", ["ngram", "model"])
+def test_light_proposers_step_on_the_event_loop_others_on_the_worker(method, draft_dir):
+    """The n-gram proposer's step (host work of microseconds) runs on the server's
+    event-loop thread; a model's runs on the engine's worker thread."""
+    import threading
+    cfg = DraftConfig(method=method, model=str(draft_dir) if method == "model" else None,
+                      envelope=ENV, device="cpu")
+    threads: list[str] = []
+
+    async def body(ch, engine):
+        propose = engine.proposer.propose
+
+        def spy(seq_ids):
+            threads.append(threading.current_thread().name)
+            return propose(seq_ids)
+        engine.proposer.propose = spy
+        loop_thread = threading.current_thread().name
+        got = await stream(pb_grpc.DrafterStub(ch), [req(1, [full(1, [1, 2, 3, 1, 2])])])
+        assert len(got) == 1 and threads
+        on_loop = all(t == loop_thread for t in threads)
+        assert on_loop == (method == "ngram"), (threads, loop_thread)
+    serve(cfg, body)
+
+
 def test_run_serves_until_sigterm():
     proc = subprocess.Popen([sys.executable, "-c", RUN_SCRIPT], cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
