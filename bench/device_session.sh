@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One H200 session's work in one device call (the device tool allows 10 minutes a call
+# and 30 a session, and a fresh machine costs minutes to start, so batch).
+#
+#   bash bench/device_session.sh fetch     # here: the wheels the device image lacks -> .whl/
+#   bash bench/device_session.sh run       # on the device (run with carry [".whl"]):
+#                                          #   GPU tests, the benchmark, the step profile -> $OUT
+#
+# The image has torch, transformers, triton, grpcio, protobuf and uvloop; it lacks
+# grpcio's health/reflection packages, OpenTelemetry and prometheus-client, all pure
+# Python. Logs go to $OUT/log.txt. The device returns at most 8 files, so keep $OUT small.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS=(grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0
+        opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2
+        opentelemetry-exporter-otlp-proto-grpc==1.45.2
+        opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-proto==1.45.2
+        opentelemetry-semantic-conventions==0.66b2 googleapis-common-protos prometheus-client)
+
+case "${1:-}" in
+fetch)
+    mkdir -p .whl
+    python -m pip download -q --no-deps --only-binary :all: --dest .whl "${WHEELS[@]}"
+    ls .whl
+    ;;
+run)
+    : "${OUT:?run on the device, where \$OUT is set}"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+    log="$OUT/log.txt"
+    nvidia-smi --query-gpu=name,memory.total --format=csv >"$log" 2>&1
+    echo "== GPU tests" >>"$log"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py \
+        tests/test_eagle3_gpu.py tests/test_draft_model_gpu.py tests/test_triton_kernels.py \
+        >>"$log" 2>&1
+    echo "== bench/h200.py (rc follows)" >>"$log"
+    timeout "${BENCH_S:-300}" python3 bench/h200.py --out "$OUT/h200.json" --work /tmp/bw \
+        >>"$log" 2>&1
+    echo "rc=$?" >>"$log"
+    echo "== bench/profile_step.py (rc follows)" >>"$log"
+    timeout "${PROFILE_S:-120}" python3 bench/profile_step.py --out "$OUT" >>"$log" 2>&1
+    echo "rc=$?" >>"$log"
+    ;;
+*)
+    echo "usage: $0 fetch|run" >&2
+    exit 2
+    ;;
+esac
