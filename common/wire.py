@@ -31,17 +31,16 @@ def drafter_info_from_pb(m: pb.DrafterInfo) -> DrafterInfo:
 
 
 def spec_request_to_pb(r: SpecRequest, staging: codec.Staging | None = None) -> pb.SpeculateRequest:
-    seqs = []
+    m = pb.SpeculateRequest(step_id=r.step_id, released=r.released,
+                            trace_context=r.trace_context)
+    add = m.sequences.add        # built in place: no per-sequence message copy
     for u in r.seqs:
-        m = pb.SequenceUpdate(seq_id=u.seq_id, committed_len=u.committed_len,
-                              new_tokens=u.new_tokens, full=u.full,
-                              accepted_nodes=u.accepted_nodes,
-                              accepted_step_id=u.accepted_step_id)
+        s = add(seq_id=u.seq_id, committed_len=u.committed_len, new_tokens=u.new_tokens,
+                full=u.full, accepted_nodes=u.accepted_nodes,
+                accepted_step_id=u.accepted_step_id)
         if u.hidden is not None:
-            m.hidden_states.CopyFrom(codec.encode(u.hidden, staging))
-        seqs.append(m)
-    return pb.SpeculateRequest(step_id=r.step_id, sequences=seqs, released=r.released,
-                               trace_context=r.trace_context)
+            s.hidden_states.CopyFrom(codec.encode(u.hidden, staging))
+    return m
 
 
 def spec_request_from_pb(m: pb.SpeculateRequest, device: torch.device | str = "cpu") -> SpecRequest:
