@@ -80,8 +80,8 @@ class StaticGraph:
                     self._stage[i] = torch.empty(a.shape, dtype=a.dtype, pin_memory=True)
                 a = self._stage[i].copy_(a)
             buf.copy_(a, non_blocking=True)
-        if self._uploaded is not None:
-            self._uploaded.record()
+        if self._uploaded is not None:      # on the stream the uploads went to
+            self._uploaded.record(torch.cuda.current_stream(self.inputs[0].device))
         if self.graph is None:
             return self.fn(*self.inputs)
         self.graph.replay()
