@@ -2,12 +2,13 @@
 
 ``StaticGraph`` owns static input buffers of fixed shape and dtype. A call copies
 its arguments into them (host arguments through the graph's own pinned staging
-buffers, so a step allocates no pinned memory and its uploads never block) and replays; an argument of any other shape or dtype is
-refused with ``ShapeMismatch`` (a silent replay at another shape would read stale
-buffers and break losslessness). Without CUDA (or with capture=False) the same
-object runs the function eagerly over the same buffers, so the checks and the
-data flow are tested on the CPU too; a capture that fails on the GPU falls back
-to that eager path with a warning.
+buffers, so a step allocates no pinned memory and its uploads never block) and
+replays; an argument of any other shape or dtype is refused with ``ShapeMismatch``
+(a silent replay at another shape would read stale buffers and break
+losslessness). Without CUDA (or with capture=False) the same object runs the
+function eagerly over the same buffers, so the checks and the data flow are
+tested on the CPU too; a capture that fails on the GPU falls back to that eager
+path with a warning.
 """
 
 from __future__ import annotations

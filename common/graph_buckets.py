@@ -32,6 +32,10 @@ def bucket(n: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:
     return next((b for b in buckets if n <= b), n)
 
 
+def _page_bucket(width: int) -> int:
+    return 1 << max(0, (width - 1).bit_length())
+
+
 class BucketedGraphs:
     def __init__(self, cache: PagedKVCache, capture: bool = True) -> None:
         self.cache, self.capture = cache, capture
@@ -53,15 +57,14 @@ class BucketedGraphs:
     @staticmethod
     def buckets(pages: list[SeqPages]) -> tuple[int, int]:
         """(batch bucket, page bucket: the next power of two of the widest table)."""
-        width = max(len(sp.pages) for sp in pages)
-        return bucket(len(pages)), 1 << max(0, (width - 1).bit_length())
+        return bucket(len(pages)), _page_bucket(max(len(sp.pages) for sp in pages))
 
     def shape(self, pages: list[SeqPages]) -> tuple[int, int, torch.Tensor]:
         """(batch bucket, page bucket, [b, p] int32 page table on the host, padded
         with the scratch page)."""
         real = len(pages)
-        b, p = self.buckets(pages)
         width = max(len(sp.pages) for sp in pages)
+        b, p = bucket(real), _page_bucket(width)
         table = torch.full((b, p), self.scratch, dtype=torch.int32)
         table[:real, :width] = page_table(pages, torch.device("cpu"), fill=self.scratch)
         return b, p, table

@@ -6,8 +6,9 @@ thread shared by all streams (the engine is single threaded), so the event loop
 stays free for other RPCs, except for a ``light`` proposer (n-gram lookups:
 host work far under a millisecond), whose steps run on the event loop itself:
 the hop is on every step's critical path, and the hand-off to a worker and back
-costs two thread wake-ups (0.2-0.3 ms measured on a CPU VM). Errors are raised, never caught here: the server's
-interceptor maps InvalidRequest / CodecError to INVALID_ARGUMENT.
+costs two thread wake-ups (0.2-0.3 ms measured on a CPU VM). Errors are raised,
+never caught here: the server's interceptor maps InvalidRequest / CodecError to
+INVALID_ARGUMENT.
 
 Malformed (the stream ends with INVALID_ARGUMENT): a step_id that does not
 increase within the stream, plus everything ``engine.check_request`` refuses.

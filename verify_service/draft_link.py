@@ -112,6 +112,7 @@ class DraftLink:
             self._outstanding = None
 
     def _wake(self, value: object) -> None:
+        """End propose()'s wait, if one is on, with value."""
         if self._waiter is not None:
             _settle(self._waiter, value)
 
