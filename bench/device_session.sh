@@ -5,6 +5,7 @@
 #   bash bench/device_session.sh fetch     # here: the wheels the device image lacks -> .whl/
 #   bash bench/device_session.sh run       # on the device (run with carry [".whl"]):
 #                                          #   GPU tests, the benchmark, the step profile -> $OUT
+#   STEPS="gemv profile" BENCH_ARGS="--batches 1" bash bench/device_session.sh run   # a subset
 #
 # The image has torch, transformers, triton, grpcio, protobuf and uvloop; it lacks
 # grpcio's health/reflection packages, OpenTelemetry and prometheus-client, all pure
@@ -31,17 +32,22 @@ run)
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
     log="$OUT/log.txt"
     nvidia-smi --query-gpu=name,memory.total --format=csv >"$log" 2>&1
-    echo "== GPU tests" >>"$log"
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py \
-        tests/test_eagle3_gpu.py tests/test_draft_model_gpu.py tests/test_triton_kernels.py \
-        >>"$log" 2>&1
-    echo "== bench/h200.py (rc follows)" >>"$log"
-    timeout "${BENCH_S:-300}" python3 bench/h200.py --out "$OUT/h200.json" --work /tmp/bw \
-        >>"$log" 2>&1
-    echo "rc=$?" >>"$log"
-    echo "== bench/profile_step.py (rc follows)" >>"$log"
-    timeout "${PROFILE_S:-120}" python3 bench/profile_step.py --out "$OUT" >>"$log" 2>&1
-    echo "rc=$?" >>"$log"
+    # STEPS picks and orders the work; BENCH_ARGS go to bench/h200.py
+    for step in ${STEPS:-tests bench profile}; do
+        echo "== $step ($(date +%T))" >>"$log"
+        case "$step" in
+        tests) timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider \
+                   tests/test_cuda_graph.py tests/test_eagle3_gpu.py \
+                   tests/test_draft_model_gpu.py tests/test_triton_kernels.py \
+                   tests/test_triton_gemv.py >>"$log" 2>&1 ;;
+        gemv) timeout "${GEMV_S:-180}" python3 bench/gemv_probe.py --out "$OUT" >>"$log" 2>&1 ;;
+        bench) timeout "${BENCH_S:-300}" python3 bench/h200.py --out "$OUT/h200.json" \
+                   --work /tmp/bw ${BENCH_ARGS:-} >>"$log" 2>&1 ;;
+        profile) timeout "${PROFILE_S:-120}" python3 bench/profile_step.py --out "$OUT" \
+                     >>"$log" 2>&1 ;;
+        esac
+        echo "rc=$? ($(date +%T))" >>"$log"
+    done
     ;;
 *)
     echo "usage: $0 fetch|run" >&2

@@ -1,0 +1,121 @@
+"""Skinny linears (Triton): y = x @ W.T for a few rows, reading W once, with the
+SwiGLU product optionally fused into the epilogue. With its launchers.
+
+A decode or verify step multiplies 1 to 16 rows by each weight matrix, so the
+time is the weight read (memory-bound), and a GEMM library's split into a GEMV
+plus separate small kernels pays extra launches. Here:
+
+* One program per BN output columns, looping over K in BK tiles. Each tile of W
+  ([BN, BK], contiguous along K) is loaded once and multiplied against all rows
+  of x ([BM, BK], BM = 16 padded rows) with tl.dot, fp32 accumulation, one bf16
+  rounding at the end: every row's reduction runs in the same order whatever M
+  is, so a row's output does not depend on how many rows came with it.
+* ``linear_silu_mul`` reads the gate rows [n, n+BN) and the up rows
+  [I+n, I+n+BN) of the fused gate_up weight in the same program and writes
+  silu(gate) * up, with the same roundings as ``kernels.reference.silu_mul``
+  applied to a bf16 gate_up (so it equals ``silu_mul(linear(x, W))``).
+
+Tile sizes come from ``pick_config`` (measured on an H200 by bench/gemv_probe.py)
+and depend on (N, K) only, never on M.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import FLOAT_DTYPES, check_devices, check_dtype, check_shape
+
+MAX_ROWS = 16
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, UP_OFF,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SILU: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    rk = tl.arange(0, BK)
+    nmask = rn < N
+    mmask = rm < M
+    acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
+    acc_u = tl.full((BM, BN), 0.0, dtype=tl.float32)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * s_wn
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        kmask = kk < K
+        x = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :],
+                    mask=mmask[:, None] & kmask[None, :], other=0.0)
+        wmask = nmask[:, None] & kmask[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=wmask, other=0.0)
+        if DOT_F32:     # the interpreter's tl.dot mishandles bf16
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+        if SILU:
+            u = tl.load(w_rows + UP_OFF * s_wn + kk[None, :], mask=wmask, other=0.0)
+            if DOT_F32:
+                acc_u += tl.dot(x.to(tl.float32), tl.trans(u.to(tl.float32)),
+                                input_precision="ieee")
+            else:
+                acc_u += tl.dot(x, tl.trans(u))
+    dt = out_ptr.dtype.element_ty
+    if SILU:        # round gate and up as a bf16 GEMM would, then silu_mul's roundings
+        g = acc.to(dt).to(tl.float32)
+        up = acc_u.to(dt).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        res = (silu * up).to(dt)
+    else:
+        res = acc.to(dt)
+    tl.store(out_ptr + rm[:, None] * s_om + rn[None, :], res,
+             mask=mmask[:, None] & nmask[None, :])
+
+
+# (BN, BK, num_warps, num_stages) by (N, K); the default for shapes not measured.
+DEFAULT_CONFIG = (32, 256, 4, 3)
+CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
+
+
+def pick_config(n: int, k: int, silu: bool) -> tuple[int, int, int, int]:
+    return CONFIGS.get((n, k, silu), DEFAULT_CONFIG)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, silu: bool,
+            config: tuple[int, int, int, int] | None, where: str) -> torch.Tensor:
+    check_devices(_gemv_kernel, where, x=x, weight=w)
+    check_dtype(where, "x", x, FLOAT_DTYPES)
+    check_shape(where, "x", x, (None, None))
+    m, k = x.shape
+    check_shape(where, "weight", w, (None, k))
+    if w.dtype != x.dtype:
+        raise ValueError(f"{where}: weight dtype {w.dtype} != x dtype {x.dtype}")
+    if m > MAX_ROWS:
+        raise ValueError(f"{where}: at most {MAX_ROWS} rows, got {m}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"{where}: x and weight rows must be contiguous")
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    bn, bk, warps, stages = config or pick_config(n_out, k, silu)
+    interp = x.device.type != "cuda"
+    _gemv_kernel[(triton.cdiv(n_out, bn),)](
+        x, w, out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), n_out if silu else 0,
+        BM=MAX_ROWS, BN=bn, BK=bk, SILU=silu, DOT_F32=interp or x.dtype == torch.float32,
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M <= 16, K] @ weight[N, K].T -> [M, N] in x's dtype."""
+    return _launch(x, weight, weight.shape[0], False, config, "linear")
+
+
+def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor,
+                    config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """silu_mul(linear(x, gate_up)): x [M <= 16, K], gate_up [2I, K] -> [M, I]."""
+    if gate_up.dim() != 2 or gate_up.shape[0] % 2:
+        raise ValueError(f"linear_silu_mul: gate_up must be [2I, K], got {tuple(gate_up.shape)}")
+    return _launch(x, gate_up, gate_up.shape[0] // 2, True, config, "linear_silu_mul")

@@ -1,0 +1,64 @@
+"""The skinny-linear Triton kernels equal torch's linear (+ reference silu_mul), and a
+row's output does not depend on how many rows came with it (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import reference as ref
+from triton_interpret import DEV, HAVE_TRITON, load as _load, needs_triton
+
+pytestmark = needs_triton
+
+if HAVE_TRITON:
+    _load("kernels.triton_common")
+    gemv = _load("kernels.triton_gemv")
+
+SMALL = (16, 64, 4, 2)      # BN, BK, warps, stages: tiles smaller than the shapes below
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 70), (5, 64, 256), (16, 33, 300)])
+def test_linear_matches_torch(dtype, tol, m, n, k):
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
+    w = torch.randn(n, k, generator=g).to(dtype).to(DEV)
+    want = F.linear(x.float(), w.float())
+    assert rel_err(gemv.linear(x, w, SMALL), want) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_linear_silu_mul_matches_reference(dtype, tol):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 96, generator=g).to(dtype).to(DEV)
+    w = torch.randn(2 * 40, 96, generator=g).to(dtype).to(DEV)
+    want = ref.silu_mul(F.linear(x.float(), w.float()))
+    assert rel_err(gemv.linear_silu_mul(x, w, SMALL), want) < tol
+
+
+def test_row_does_not_depend_on_row_count():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 200, generator=g).to(DEV)
+    w = torch.randn(48, 200, generator=g).to(DEV)
+    many = gemv.linear(x, w, SMALL)
+    for i in range(7):
+        assert torch.equal(gemv.linear(x[i:i + 1], w, SMALL)[0], many[i])
+
+
+def test_refuses_bad_arguments():
+    x = torch.randn(17, 32, device=DEV)
+    w = torch.randn(8, 32, device=DEV)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        gemv.linear(x, w)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        gemv.linear(x[:2], torch.randn(8, 31, device=DEV))
+    with pytest.raises(ValueError, match=r"gate_up must be \[2I, K\]"):
+        gemv.linear_silu_mul(x[:2], torch.randn(7, 32, device=DEV))
+    with pytest.raises(ValueError, match="dtype"):
+        gemv.linear(x[:2], w.bfloat16())
