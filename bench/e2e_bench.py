@@ -27,10 +27,11 @@ def start(name: str, argv: list[str], timeout: float = 600) -> ServiceProcess:
     return svc
 
 
-def verify_argv(model: str, device: str, draft: str | None, max_batch: int) -> list[str]:
+def verify_argv(model: str, device: str, draft: str | None, max_batch: int,
+                extra: tuple[str, ...] = ()) -> list[str]:
     argv = cli_command("verify", "--model", model, "--port", "0", "--device", device,
                        "--max-batch", str(max_batch), "--num-blocks", "6000",
-                       "--step-deadline-ms", "2000", "--metrics-port", "0")
+                       "--step-deadline-ms", "2000", "--metrics-port", "0", *extra)
     return argv + (["--draft", draft] if draft else [])
 
 
@@ -150,14 +151,15 @@ def first_divergence(ids: list[list[int]], refs: list[list[int]]) -> list[int | 
 def replay_phase(target: str, device: str, work: Path, label: str, corrupt: float,
                  sets: dict[int, list[list[int]]], max_tokens: int,
                  refs: dict[int, list[list[int]]], plain: dict[int, list[list[int]]],
-                 res: dict, hop: bool = False) -> dict[int, list[list[int]]]:
+                 res: dict, hop: bool = False, verify_extra: tuple[str, ...] = ()
+                 ) -> dict[int, list[list[int]]]:
     """Both services with the replay instrument proposing refs; returns the outputs."""
     cont = work / f"{label}_continuations.json"
     cont.write_text(json.dumps([{"prompt": p, "continuation": c} for b in sets
                                 for p, c in zip(sets[b], refs[b])]))
     d = start(f"{label}-draft", [sys.executable, str(BENCH / "replay.py"), "--continuations",
                                  str(cont), "--corrupt", str(corrupt), "--port", "0"])
-    v = start("verify", verify_argv(target, device, d.addr, max(sets)))
+    v = start("verify", verify_argv(target, device, d.addr, max(sets), verify_extra))
     outs: dict[int, list[list[int]]] = {}
     try:
         for b, prompts in sets.items():
@@ -208,9 +210,12 @@ def model_phase(target: str, draft: str, device: str, draft_device: str,
 
 
 def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
-            batches: list[int], corrupt: float, work: Path, placement: str = "same") -> dict:
+            batches: list[int], corrupt: float, work: Path, placement: str = "same",
+            ab_busy_poll: bool = False) -> dict:
     """prompts: at least sum(batches); each batch size gets its own prompts, so each
-    replay reference is recorded at the batch shape it is replayed at."""
+    replay reference is recorded at the batch shape it is replayed at. ab_busy_poll:
+    also the first batch size, plain and replay, with the verify service's busy
+    polling off (`*_nopoll` keys), for the side-by-side comparison."""
     res: dict = {"placement": placement}
     draft_device, device = placement_devices(placement, device)
     sets, at = {}, 0
@@ -238,6 +243,21 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     # 3. replay instrument (chain of 4) at the set corruption rate.
     replay_phase(target, device, work, "replay", corrupt, sets, max_tokens, refs, plain, res,
                  hop=True)
+    if ab_busy_poll:
+        b = batches[0]
+        off = ("--busy-poll", "off")
+        v = start("verify", verify_argv(target, device, None, b, off))
+        try:
+            r = throughput(v.addr, sets[b], max_tokens, no_spec=True, metrics=metrics_url(v))
+            r.pop("ids")
+            res[f"plain_b{b}_nopoll"] = r
+            print(f"plain b={b}, busy poll off: {r['tok_s']:.1f} tok/s", flush=True)
+        finally:
+            v.stop()
+        nopoll: dict = {}
+        replay_phase(target, device, work, "replay", corrupt, {b: sets[b]}, max_tokens,
+                     {b: refs[b]}, {b: plain[b]}, nopoll, verify_extra=off)
+        res.update({f"{k}_nopoll": v for k, v in nopoll.items()})
     # 4. the draft-model proposer (random weights: acceptance is near zero, so this
     #    measures what a draft costs, not what it buys). Its failure must not cost
     #    the figures above.

@@ -56,6 +56,9 @@ def main() -> None:
     ap.add_argument("--no-plant", action="store_true",
                     help="plain random target weights (near-tied logits: bf16 flips "
                          "argmaxes between decode and verify shapes)")
+    ap.add_argument("--ab-busy-poll", action="store_true",
+                    help="also run plain and replay at the first batch size with the "
+                         "verify service's busy polling off")
     ap.add_argument("--placement", default="same", choices=["same", "split"],
                     help="split: draft on cuda:0, verify on cuda:1 (two GPUs)")
     a = ap.parse_args()
@@ -131,7 +134,7 @@ def main() -> None:
         prompts = [torch.randint(0, 151936, (a.ctx,), generator=gp).tolist()
                    for _ in range(sum(batches))]
         r = run_e2e(str(target_dir), str(draft_dir), a.device, prompts, a.max_tokens,
-                    batches, corrupt_for(4.0, 4), work, a.placement)
+                    batches, corrupt_for(4.0, 4), work, a.placement, a.ab_busy_poll)
         out["e2e"] = r
         out["oracle4_tok_s"] = r["replay_b1"]["tok_s"]
         out["oracle4_tokens_per_step"] = r["replay_b1"]["tokens_per_step"]

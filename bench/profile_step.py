@@ -1,10 +1,12 @@
-"""Where a plain decode step's time goes, on the GPU: wall step vs graph replay vs
-the kernels inside it, and each projection's GEMV against the copy bandwidth.
+"""Where a plain decode step's time goes, on the GPU: wall step vs graph replay, for
+three variants of the same step (cuBLAS linears; the Triton GEMVs; the Triton GEMVs
+with programmatic dependent launch), the kernels inside it, and each projection's
+cuBLAS GEMV against the copy bandwidth.
 
     python bench/profile_step.py --out DIR [--shape qwen3-8b] [--ctx 1024]
 
-Writes DIR/profile.json (timings) and DIR/kernels.txt (torch.profiler table of one
-eager step, by CUDA time). Random weights; nothing here is a result for users, it
+Writes DIR/profile.json (timings) and DIR/kernels.txt (torch.profiler table of
+graph-replayed steps, by CUDA time). Random weights; nothing here is a result for users, it
 explains the gap between bench/h200.py's plain step and its floor.
 """
 
@@ -15,6 +17,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -26,7 +29,9 @@ from common.devices import pick_device  # noqa: E402
 from common.kv_cache import SeqPages  # noqa: E402
 from common.model_config import Qwen3Spec  # noqa: E402
 from common.qwen3 import Qwen3Model  # noqa: E402
-from kernels.dispatch import select  # noqa: E402
+from kernels import reference  # noqa: E402
+from kernels.dispatch import KERNEL_NAMES, select  # noqa: E402
+from kernels.triton_common import set_pdl  # noqa: E402
 from verify_service.graph_verifier import GraphVerifier  # noqa: E402
 
 
@@ -52,13 +57,22 @@ def cuda_ms(fn, iters: int = 50) -> float:
     with torch.cuda.graph(g):
         for _ in range(iters):
             fn()
+    return replay_ms(g) / iters
+
+
+def replay_ms(g: torch.cuda.CUDAGraph, reps: int = 20) -> float:
+    """Median device ms of one replay of a captured graph (events around each)."""
     g.replay()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(3):
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
         g.replay()
-    torch.cuda.synchronize()
-    return 1000 * (time.perf_counter() - t0) / (3 * iters)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return sorted(times)[reps // 2]
 
 
 def gemv_table(model: Qwen3Model, bw: float) -> dict:
@@ -95,26 +109,38 @@ def main() -> None:
     L = model.spec.num_layers
     res["gemv_sum_ms"] = L * sum(res["gemv"][k]["ms"] for k in ("qkv", "o_proj", "gate_up",
                                                               "down")) + res["gemv"]["lm_head"]["ms"]
-    ops = select(dev, "auto")
     bs = 16
-    cache = model.new_cache(-(-(a.ctx + 8) // bs) + 8, bs)
+    cache = model.new_cache(-(-(a.ctx + 80) // bs) + 8, bs)
     prompt = torch.randint(0, model.spec.vocab_size, (a.ctx,)).tolist()
-    for capture, label in ((True, "graph"), (False, "eager")):
-        ver = GraphVerifier(model, cache, ops, capture=capture)
+    triton_ops = select(dev, "triton")
+    cublas_ops = SimpleNamespace(**{n: getattr(triton_ops, n) for n in KERNEL_NAMES})
+    cublas_ops.linear, cublas_ops.linear_silu_mul = (
+        reference.linear, lambda x, w: triton_ops.silu_mul(reference.linear(x, w)))
+    variants = {"cublas": (cublas_ops, False), "gemv": (triton_ops, False),
+                "gemv_pdl": (triton_ops, True)}
+    chain = torch.randint(0, model.spec.vocab_size, (1, 4), dtype=torch.int32)
+    parents = torch.arange(-1, 3, dtype=torch.int32).unsqueeze(0)
+    res["variants"] = {}
+    for label, (ops, pdl) in variants.items():
+        set_pdl(pdl)
+        ver = GraphVerifier(model, cache, ops)
         pages = [SeqPages()]
         roots, _ = ver.prefill(pages, [prompt])
-        times = []
-        for _ in range(30):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            ver.step(pages, roots, None, None, 0)
-            times.append(time.perf_counter() - t0)
-            pages[0].kv_len = a.ctx
-        res[f"{label}_step_ms"] = 1000 * sorted(times[5:])[len(times[5:]) // 2]
-        if capture:
-            g = next(iter(ver.graphs.values()))
-            res["replay_ms"] = cuda_ms(lambda: g.graph.replay(), iters=20)
-        else:
+        row = {}
+        for n, (tok, par, depth) in {"0": (None, None, 0), "4": (chain, parents, 4)}.items():
+            times = []
+            for _ in range(30):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                ver.step(pages, roots, tok, par, depth)
+                times.append(time.perf_counter() - t0)
+                pages[0].kv_len = a.ctx         # back to the prompt: same context every step
+            row[f"wall_ms_{n}"] = 1000 * sorted(times[5:])[len(times[5:]) // 2]
+            g = [v for k, v in ver.graphs.items() if k[0][0] == (0 if tok is None else 4)][0]
+            row[f"replay_ms_{n}"] = replay_ms(g.graph)
+        res["variants"][label] = row
+        print(label, row, flush=True)
+        if label == "gemv_pdl":
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
@@ -122,9 +148,10 @@ def main() -> None:
                     pages[0].kv_len = a.ctx
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-            (out_dir / "kernels.txt").write_text("5 eager plain steps\n" + table)
+            (out_dir / "kernels.txt").write_text("5 graph-replayed plain steps\n" + table)
         cache.release(pages[0])
         del ver
+    set_pdl(None)
     (out_dir / "profile.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
 

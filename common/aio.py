@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
+
+
+async def spin_until(done: Callable[[], bool]) -> None:
+    """Yield to the event loop until done() is true, never sleeping: other tasks and
+    I/O still run between polls, and nothing waits for a thread to wake up."""
+    while not done():
+        await asyncio.sleep(0)
 
 
 async def cancel_and_wait(task: asyncio.Task | None) -> None:

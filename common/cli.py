@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--step-mode", choices=["auto", "ragged", "fixed"],
                    help="verify step: fixed shapes (CUDA graphs on a GPU) or ragged "
                         "(default auto: fixed on CUDA)")
+    v.add_argument("--busy-poll", choices=["auto", "on", "off"],
+                   help="wait for the device and the draft by polling on the event loop "
+                        "instead of sleeping (one busy core; default auto: on for fixed "
+                        "steps on CUDA)")
     _add_runtime(v)
 
     g = sub.add_parser("generate", help="stream one completion from a verify service")
@@ -183,7 +187,8 @@ def verify_config(args: argparse.Namespace):
     try:
         return VerifyConfig(model=args.model, draft=args.draft, **_fields(
             args, _RUNTIME + ("max_batch", "max_model_len", "prefill_tokens",
-                              "step_deadline_ms", "reconnect_s", "step_mode")))
+                              "step_deadline_ms", "reconnect_s", "step_mode",
+                              "busy_poll")))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -48,14 +48,14 @@ class Qwen3Layer(nn.Module):
         before it (None at layer 0). Returns (this layer's MLP output, residual)."""
         s, eps = self.spec, self.spec.rms_norm_eps
         h, residual = ops.add_rms_norm(x, residual, self.input_norm, eps)
-        q = ops.qk_norm_rope_write(self.qkv(h), self.q_norm, self.k_norm, fb.positions,
+        q = ops.qk_norm_rope_write(ops.linear(h, self.qkv.weight, self.qkv.bias), self.q_norm, self.k_norm, fb.positions,
                                    inv_freq, k_cache, v_cache, fb.slots, s.num_heads,
                                    s.num_kv_heads, eps)
         attn = ops.paged_tree_attention(q, k_cache, v_cache, fb.block_tables, fb.context_lens,
                                         fb.cu_q, fb.chunk_parents, s.head_dim ** -0.5)
-        h, residual = ops.add_rms_norm(self.o_proj(attn.reshape(x.shape[0], self.q_size)),
-                                       residual, self.post_norm, eps)
-        return self.down(ops.silu_mul(self.gate_up(h))), residual
+        h, residual = ops.add_rms_norm(ops.linear(attn.reshape(x.shape[0], self.q_size),
+                                                  self.o_proj.weight), residual, self.post_norm, eps)
+        return ops.linear(ops.linear_silu_mul(h, self.gate_up.weight), self.down.weight), residual
 
 
 class Qwen3Model(nn.Module):
@@ -144,7 +144,7 @@ class Qwen3Model(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+    def greedy(self, hidden: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """The target's greedy choice per row, [T] int64 (argmax in the model's dtype,
         so every path that picks a token picks it the same way)."""
-        return self.lm_head(hidden).argmax(-1)
+        return ops.linear(hidden, self.lm_head.weight).argmax(-1)

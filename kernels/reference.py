@@ -200,3 +200,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> silu(gate) * up, [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """x [T, K] @ weight [N, K].T (+ bias [N]) -> [T, N] in x's dtype."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu_mul(linear(x, gate_up)): x [T, K], gate_up [2I, K] -> [T, I]."""
+    return silu_mul(linear(x, gate_up))

@@ -8,8 +8,33 @@ import torch
 
 from kernels.triton_accept import accept_greedy
 from kernels.triton_fused import add_rms_norm, qk_norm_rope_write, rms_norm, silu_mul
+from kernels import reference, triton_gemv
 from kernels.triton_kv import compact_kv, write_kv
 from kernels.triton_tree_attention import paged_tree_attention as _paged_tree_attention
+
+_SKINNY_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _skinny(x: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """A decode / verify-sized product in 16 bits: the Triton GEMV (reads the weight
+    once at ~4 TB/s and fuses SwiGLU); anything else goes to the GEMM library."""
+    return (bias is None and x.dim() == 2 and 0 < x.shape[0] <= triton_gemv.MAX_ROWS
+            and x.dtype in _SKINNY_DTYPES and x.stride(1) == 1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """See kernels.reference.linear."""
+    if _skinny(x, bias):
+        return triton_gemv.linear(x, weight)
+    return reference.linear(x, weight, bias)
+
+
+def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """See kernels.reference.linear_silu_mul."""
+    if _skinny(x):
+        return triton_gemv.linear_silu_mul(x, gate_up)
+    return silu_mul(reference.linear(x, gate_up))
 
 
 def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -22,4 +47,4 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 __all__ = ["write_kv", "paged_tree_attention", "accept_greedy", "compact_kv",
-           "rms_norm", "add_rms_norm", "qk_norm_rope_write", "silu_mul"]
+           "rms_norm", "add_rms_norm", "qk_norm_rope_write", "silu_mul", "linear", "linear_silu_mul"]

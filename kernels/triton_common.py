@@ -12,9 +12,22 @@ decorated when triton is first imported, so if anything imported triton before
 TRITON_INTERPRET was set they are compiled-mode functions the interpreter cannot
 call. Ours are decorated with the kernels and work either way; compiled, they are
 the same tl.reduce / tl.associative_scan the library versions lower to.
+
+Programmatic dependent launch (PDL, Hopper and later): a decode step is a chain
+of ~300 small dependent kernels inside one CUDA graph, and each boundary costs a
+launch gap plus a ramp. Launched with PDL, a kernel's programs may be scheduled
+while the previous kernel still runs; ``pdl_enter(PDL)``, the first statement of
+every per-layer kernel, waits there until the previous kernel has completed and
+its writes are visible (griddepcontrol.wait), then lets the next kernel launch
+(griddepcontrol.launch_dependents). A kernel reads and writes nothing before
+pdl_enter, so ordering is the stream's: kernel N+1 waits for N, which waited for
+N-1. ``launch_options()`` gives the launch keyword; PDL is on where the device
+and the Triton build support it, unless ``set_pdl(False)`` (benchmarks compare).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -22,6 +35,37 @@ import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+_pdl_choice: bool | None = None     # None: decided per device by pdl_supported()
+
+
+def set_pdl(on: bool | None) -> None:
+    """Force PDL on or off for launches from now on (None: back to automatic).
+    Graphs captured before keep what they captured."""
+    global _pdl_choice
+    _pdl_choice = on
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_supported(device: torch.device) -> bool:
+    """Hopper or later, and a Triton whose CUDA launcher takes launch_pdl."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def launch_options(kernel: object, device: torch.device) -> dict:
+    """{PDL: bool, launch_pdl: bool} keyword arguments for a launch of kernel (empty
+    PDL=False under the interpreter, which has no launch options)."""
+    if interpreted(kernel):
+        return {"PDL": False}
+    on = pdl_supported(device) if _pdl_choice is None else (_pdl_choice and
+                                                           pdl_supported(device))
+    return {"PDL": on, "launch_pdl": on}
 
 
 def interpreted(kernel: object) -> bool:
@@ -111,3 +155,13 @@ def vmin(x, axis: tl.constexpr):
 @triton.jit
 def vcumsum(x, axis: tl.constexpr):
     return tl.associative_scan(x, axis, _add)
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """Wait for the previous kernel, then let the next one launch (no-op without PDL)."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)

@@ -14,12 +14,14 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_dtype,
-                                   check_shape, next_pow2, vsum)
+                                   check_shape, launch_options, next_pow2, pdl_enter, vsum)
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, n, eps,
-                         s_x, s_r, s_o, s_ro, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         s_x, s_r, s_o, s_ro, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < n
@@ -63,15 +65,17 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     block = next_pow2(h)
     _add_rms_norm_kernel[(t,)](x, r, weight, out, total, h, eps, x.stride(0), r.stride(0),
                                out.stride(0), total.stride(0), HAS_RES=residual is not None,
-                               BLOCK=block, num_warps=4 if block <= 2048 else 8)
+                               BLOCK=block, num_warps=4 if block <= 2048 else 8,
+                               **launch_options(_add_rms_norm_kernel, x.device))
     return out, total
 
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, freq_ptr, kc_ptr, vc_ptr, slot_ptr,
                          q_out_ptr, s_qkv, s_qt, s_qh, s_kcs, s_kch, s_vcs, s_vch, eps,
-                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
     """Program (token, head): q heads 0..HQ-1, then kv heads (k normed + rotated, v copied)."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     half = tl.arange(0, D // 2)
@@ -145,12 +149,13 @@ def qk_norm_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Te
         qkv, q_norm, k_norm, positions, inv_freq.contiguous(), k_cache, v_cache, slots, q,
         qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), eps, HQ=num_heads, HKV=num_kv_heads, D=d,
-        num_warps=1 if d <= 64 else 2)
+        num_warps=1 if d <= 64 else 2, **launch_options(_qk_norm_rope_kernel, qkv.device))
     return q
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, n, s_x, s_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, n, s_x, s_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < n
@@ -175,5 +180,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, next_pow2(n))
     _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0),
-                                                 out.stride(0), BLOCK=block, num_warps=4)
+                                                 out.stride(0), BLOCK=block, num_warps=4,
+                                                 **launch_options(_silu_mul_kernel, gate_up.device))
     return out

@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import FLOAT_DTYPES, check_devices, check_dtype, check_shape
+from kernels.triton_common import (FLOAT_DTYPES, check_devices, check_dtype, check_shape,
+                                   launch_options, pdl_enter)
 
 MAX_ROWS = 16
 
@@ -33,7 +34,8 @@ MAX_ROWS = 16
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, UP_OFF,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SILU: tl.constexpr,
-                 DOT_F32: tl.constexpr):
+                 DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     rn = pid * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
@@ -73,9 +75,18 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, UP_OFF,
              mask=mmask[:, None] & nmask[None, :])
 
 
-# (BN, BK, num_warps, num_stages) by (N, K); the default for shapes not measured.
-DEFAULT_CONFIG = (32, 256, 4, 3)
-CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
+# (BN, BK, num_warps, num_stages) by (output columns, K, fused SwiGLU): the fastest of
+# bench/gemv_probe.py's sweep on an H200 at the Qwen3-8B projections (the same tiles
+# won at 1, 5 and 16 rows, bench/NOTES.md); the default was within 6 % of the best
+# at every one of them.
+DEFAULT_CONFIG = (32, 256, 4, 4)
+CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
+    (6144, 4096, False): (64, 256, 4, 4),       # qkv
+    (4096, 4096, False): (32, 512, 4, 4),       # o_proj
+    (12288, 4096, True): (32, 128, 4, 4),       # gate_up + SwiGLU
+    (4096, 12288, False): (32, 512, 4, 4),      # down
+    (151936, 4096, False): (64, 512, 4, 2),     # lm_head
+}
 
 
 def pick_config(n: int, k: int, silu: bool) -> tuple[int, int, int, int]:
@@ -103,7 +114,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, silu: bool,
     _gemv_kernel[(triton.cdiv(n_out, bn),)](
         x, w, out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), n_out if silu else 0,
         BM=MAX_ROWS, BN=bn, BK=bk, SILU=silu, DOT_F32=interp or x.dtype == torch.float32,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **launch_options(_gemv_kernel, x.device))
     return out
 
 

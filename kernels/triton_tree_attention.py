@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_dtype,
-                                   check_paged, check_shape, check_unit_last, interpreted, next_pow2,
-                                   vcumsum, vmax, vsum)
+                                   check_paged, check_shape, check_unit_last, interpreted, launch_options,
+                                   next_pow2, pdl_enter, vcumsum, vmax, vsum)
 
 LOG2E = 1.4426950408889634
 
@@ -93,7 +93,8 @@ def _tree_attention_kernel(
         GROUP: tl.constexpr, BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CHUNK_N: tl.constexpr,
         D: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        PREC: tl.constexpr, DOT_F32: tl.constexpr):
+        PREC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -183,7 +184,9 @@ def _tree_attention_kernel(
 
 @triton.jit
 def _combine_splits_kernel(acc_ws, m_ws, l_ws, out_ptr, total_q, num_q_heads, s_ot, s_oh,
-                           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
+                           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
+                           PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)          # = query * num_q_heads + head
     t = row // num_q_heads
     h = row % num_q_heads
@@ -300,11 +303,12 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         GROUP=group, BT=bt, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK_N=min(block_n, 64), D=d, BS=bs,
         BLOCK_B=max(16, next_pow2(nseq)), NUM_SPLITS=splits, PREC=prec,
         DOT_F32=interpreted(_tree_attention_kernel) and q.dtype == torch.bfloat16,
-        num_warps=warps)
+        num_warps=warps, **launch_options(_tree_attention_kernel, q.device))
     if splits > 1:
         _combine_splits_kernel[(total_q * hq,)](
             acc_ws, m_ws, l_ws, out, total_q, hq, out.stride(0), out.stride(1),
-            NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), D=d, num_warps=4)
+            NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), D=d, num_warps=4,
+            **launch_options(_combine_splits_kernel, q.device))
     return out
 
 

@@ -15,11 +15,14 @@ from tests_data import EOS_PROMPT
 PROMPTS = [[1 + i, 5, 9 + i, 13, 2, 7, 1 + i, 5, 9 + i] for i in range(8)]
 
 
-@pytest.mark.parametrize("step_mode", ["ragged", "fixed"])
-def test_eight_concurrent_requests_equal_each_alone(target_dir, draft_dir, step_mode):
+MODES = [("ragged", "auto"), ("fixed", "off"), ("fixed", "on")]   # (step_mode, busy_poll)
+
+
+@pytest.mark.parametrize("step_mode,busy_poll", MODES)
+def test_eight_concurrent_requests_equal_each_alone(target_dir, draft_dir, step_mode, busy_poll):
     async def go():
         async with services(target_dir, "model", draft_dir, "tree-small", max_batch=8,
-                            step_mode=step_mode) as h:
+                            step_mode=step_mode, busy_poll=busy_poll) as h:
             async with AsyncTreespecClient(h["addr"]) as c:
                 lens = [8 + 3 * i for i in range(8)]   # finish at different steps
                 together = await asyncio.gather(*[
@@ -34,13 +37,14 @@ def test_eight_concurrent_requests_equal_each_alone(target_dir, draft_dir, step_
     assert free
 
 
-@pytest.mark.parametrize("step_mode", ["ragged", "fixed"])
-def test_a_batch_mixing_speculative_and_plain_requests(target_dir, draft_dir, step_mode):
+@pytest.mark.parametrize("step_mode,busy_poll", MODES)
+def test_a_batch_mixing_speculative_and_plain_requests(target_dir, draft_dir, step_mode,
+                                                       busy_poll):
     """Only some running sequences get trees (no_speculation on the others): the
     proposal's rows are laid out over the whole batch and every output is exact."""
     async def go():
         async with services(target_dir, "model", draft_dir, "chain4", max_batch=4,
-                            step_mode=step_mode) as h:
+                            step_mode=step_mode, busy_poll=busy_poll) as h:
             async with AsyncTreespecClient(h["addr"]) as c:
                 return await asyncio.gather(*[
                     c.generate(prompt_ids=p, max_tokens=16, ignore_eos=True,

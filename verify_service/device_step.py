@@ -38,7 +38,7 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
                               chunk_parents, depths, context_lens, block_tables,
                               cache.block_size)
     hidden, captured = model(fb, cache, ops, capture)
-    target_ids = model.greedy(hidden).view(b, t)                         # [B, T]
+    target_ids = model.greedy(hidden, ops).view(b, t)                    # [B, T]
     accepted, num, bonus = ops.accept_greedy(tokens, parents, target_ids, depth)
     if depth:
         _compact_fixed(cache, ops, accepted, num, ctx, block_tables)

@@ -15,7 +15,7 @@ from typing import Literal
 import grpc
 
 from common import codec, wire
-from common.aio import cancel_and_wait
+from common.aio import cancel_and_wait, spin_until
 from common.spec_types import DrafterInfo, SpecRequest, TreeBatch
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
@@ -46,6 +46,7 @@ class DraftLink:
         self._task: asyncio.Task | None = None
         self._staging = codec.Staging()
         self._closed = False
+        self.busy_poll = False      # poll for the answer on the loop (set by the engine)
 
     @property
     def ready(self) -> bool:
@@ -131,6 +132,8 @@ class DraftLink:
         timer = loop.call_later(timeout_s, _settle, waiter, _EXPIRED)
         try:
             await self._call.write(wire.spec_request_to_pb(req, self._staging))
+            if self.busy_poll:
+                await spin_until(waiter.done)
             msg = await waiter
         except Exception as e:
             log.warning("draft write failed: %s", e)

@@ -7,6 +7,12 @@ accepting, committing and streaming 1..depth+1 tokens each. A missing, late or
 broken proposal turns the step into plain decode: output never changes.
 
 Compute runs in a single worker thread; all state is touched only on the event loop.
+With busy polling (fixed steps, by default on CUDA) a step whose graph is captured
+is launched from the event loop, which then polls the device's completion event
+and, through the draft link, the proposal, instead of sleeping: a sleeping thread
+costs a wake-up (tens of microseconds to a millisecond on a VM) each time the GPU
+or the draft answers, and every one of those is on a step's critical path. It
+keeps one core busy while requests run.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 
-from common.aio import cancel_and_wait
+from common.aio import cancel_and_wait, spin_until
 from common.codec import Staging
 from common.errors import InvalidRequest, Unavailable
 from common.qwen3 import Qwen3Model
@@ -39,7 +45,8 @@ class VerifyEngine:
     def __init__(self, model: Qwen3Model, num_blocks: int, block_size: int, max_batch: int,
                  max_model_len: int, prefill_tokens: int, step_deadline_s: float,
                  link: DraftLink | None = None, kernels: str = "auto",
-                 step_mode: str = "auto", observer: EngineObserver | None = None) -> None:
+                 step_mode: str = "auto", busy_poll: str = "auto",
+                 observer: EngineObserver | None = None) -> None:
         self.model = model
         self.spec = model.spec
         self.cache = model.new_cache(num_blocks, block_size)
@@ -47,6 +54,10 @@ class VerifyEngine:
         fixed = step_mode == "fixed" or (step_mode == "auto" and model.device.type == "cuda")
         self.verifier = GraphVerifier(model, self.cache, ops) if fixed else \
             Verifier(model, self.cache, ops)
+        self.busy_poll = fixed and (busy_poll == "on" or (busy_poll == "auto"
+                                                          and model.device.type == "cuda"))
+        if link is not None:
+            link.busy_poll = self.busy_poll
         self.max_batch = max_batch
         self.max_model_len = max_model_len or model.spec.max_position
         self.prefill_tokens = prefill_tokens
@@ -160,6 +171,16 @@ class VerifyEngine:
 
     async def _compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _verify(self, pages: list, roots: list[int], tokens, parents, depth: int):
+        """verifier.step, launched from the loop and polled when busy polling and its
+        graph is captured (a capture takes seconds: that one runs in the worker)."""
+        n = 0 if tokens is None else tokens.shape[1]
+        if not (self.busy_poll and self.verifier.captured(pages, n)):
+            return await self._compute(self.verifier.step, pages, roots, tokens, parents, depth)
+        pending = self.verifier.launch(pages, roots, tokens, parents, depth)
+        await spin_until(pending.ready)
+        return self.verifier.finish(pending)
 
     def _reap(self, force: bool = False) -> None:
         """Free finished and cancelled sequences and tell their owners."""
@@ -306,8 +327,8 @@ class VerifyEngine:
         if tree is not None:
             tokens, parents = batch_trees(seqs, spec_seqs, tree)
             depth = self.link.info.envelope.depth
-        res = await self._compute(self.verifier.step, [s.pages for s in seqs],
-                                  [s.tokens[-1] for s in seqs], tokens, parents, depth)
+        res = await self._verify([s.pages for s in seqs], [s.tokens[-1] for s in seqs],
+                                 tokens, parents, depth)
         t2 = time.time_ns()
         rows: list[tuple[Sequence, int, int, int, int]] = []
         tok_l = tokens.tolist() if tokens is not None else None

@@ -4,12 +4,15 @@ Same interface as ``verifier.Verifier`` (prefill, step), chosen once by the engi
 A step pads its batch to the next batch bucket (rows on a scratch page, all
 padding) and its page tables to the next power-of-two width, packs every input
 into one int32 tensor (one upload through the graph's pinned staging), replays,
-and reads back accepted / num / bonus as one tensor: one host sync per step, and
-a handful of host-side torch calls (the step's host time is on its critical path).
+and reads back accepted / num / bonus as one tensor (non-blocking, into a reused
+pinned buffer): one host sync per step, and a handful of host-side torch calls
+(the step's host time is on its critical path). ``launch`` returns before the
+device is done, so the engine can wait on its event loop instead of in a thread.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -30,6 +33,7 @@ class GraphVerifier(Verifier):
                  capture: bool = True) -> None:
         super().__init__(model, cache, ops)
         self.buckets = BucketedGraphs(cache, capture)
+        self._host: dict[torch.Size, torch.Tensor] = {}     # pinned readback buffers
 
     @property
     def graphs(self) -> dict:
@@ -39,6 +43,22 @@ class GraphVerifier(Verifier):
     @torch.inference_mode()
     def step(self, pages: list[SeqPages], roots: list[int], tokens: torch.Tensor | None,
              parents: torch.Tensor | None, depth: int) -> StepResult:
+        return self.finish(self.launch(pages, roots, tokens, parents, depth))
+
+    def captured(self, pages: list[SeqPages], n: int) -> bool:
+        """Whether a step of these sequences with n-node trees has its graph already
+        (reserves the step's slots, as the step would)."""
+        for sp in pages:
+            self.cache.reserve(sp, sp.kv_len + n + 1)
+        b, p = self.buckets.buckets(pages)
+        return ((n, self.capture_layers), b, p) in self.buckets.graphs
+
+    @torch.inference_mode()
+    def launch(self, pages: list[SeqPages], roots: list[int], tokens: torch.Tensor | None,
+               parents: torch.Tensor | None, depth: int) -> PendingStep:
+        """Queue the step on the device and the readback of its results; returns at
+        once. ``pending.ready()`` says whether the device is done (never blocks);
+        ``finish(pending)`` completes the step (blocks until it is done)."""
         real = len(pages)
         n = 0 if tokens is None else tokens.shape[1]
         for sp in pages:
@@ -60,14 +80,51 @@ class GraphVerifier(Verifier):
                              tokens.tolist() if n else None, parents.tolist() if n else None,
                              [sp.pages for sp in pages], b, p, n, gb.scratch)
         out, *path = graph(packed)
-        res = out.cpu().tolist()                       # the step's one host sync
-        d = out.shape[1] - 2
-        nums = [row[d] for row in res[:real]]
-        for sp, k in zip(pages, nums):
+        host, done = self._readback(out)
+        return PendingStep(pages[:real], host, done, path[0] if path else None)
+
+    def _readback(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """out's values on the host: a non-blocking copy into a reused pinned buffer
+        and an event after it (on the CPU, out itself)."""
+        if out.device.type != "cuda":
+            return out, None
+        host = self._host.get(out.shape)
+        if host is None:
+            host = self._host[out.shape] = torch.empty(out.shape, dtype=out.dtype,
+                                                       pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(out.device))
+        return host, done
+
+    @torch.inference_mode()
+    def finish(self, pending: PendingStep) -> StepResult:
+        """The step's results; advances each sequence's kv_len (the one host sync)."""
+        if pending.done is not None:
+            pending.done.synchronize()
+        res = pending.host.tolist()
+        d = pending.host.shape[1] - 2
+        nums = [row[d] for row in res[:len(pending.pages)]]
+        for sp, k in zip(pending.pages, nums):
             sp.kv_len += 1 + k
-        rows = [path[0][i, :1 + nums[i]].clone() for i in range(real)] if path else None
-        return StepResult([res[i][:nums[i]] for i in range(real)],
-                          [res[i][d + 1] for i in range(real)], rows)
+        rows = None
+        if pending.path is not None:
+            rows = [pending.path[i, :1 + nums[i]].clone() for i in range(len(nums))]
+        return StepResult([res[i][:nums[i]] for i in range(len(nums))],
+                          [res[i][d + 1] for i in range(len(nums))], rows)
+
+
+@dataclass
+class PendingStep:
+    """A launched step: its sequences, the host copy of [B, depth + 2] results (valid
+    once ``done`` has completed) and, when capturing, the path's hidden states."""
+    pages: list[SeqPages]
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+    path: torch.Tensor | None
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
 
 
 def pack_inputs(roots: list[int], ctx: list[int], tokens: list[list[int]] | None,

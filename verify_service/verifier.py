@@ -47,7 +47,7 @@ class Verifier:
         capturing, each prompt's hidden states [len(prompt), C]."""
         fb = build_forward_batch([chain_chunk(p, t) for p, t in zip(pages, prompts)], self.cache)
         hidden, captured = self.model(fb, self.cache, self.ops, self.capture_layers)
-        nxt = self.model.greedy(hidden[fb.last]).tolist()
+        nxt = self.model.greedy(hidden[fb.last], self.ops).tolist()
         for p, t in zip(pages, prompts):
             p.kv_len += len(t)
         feats = concat_captured(captured)
@@ -71,7 +71,7 @@ class Verifier:
         fb = build_forward_batch(chunks, self.cache)
         hidden, captured = self.model(fb, self.cache, self.ops, self.capture_layers)
         n1 = tokens.shape[1] + 1
-        target_ids = self.model.greedy(hidden).view(b, n1)                       # [B, N+1]
+        target_ids = self.model.greedy(hidden, self.ops).view(b, n1)             # [B, N+1]
         accepted, num, bonus = self.ops.accept_greedy(
             tokens.to(dev), parents.to(dev), target_ids, max(depth, 1) if n1 > 1 else 0)
         kv_lens = fb.context_lens
