@@ -158,7 +158,8 @@ def replay_phase(target: str, device: str, work: Path, label: str, corrupt: floa
     cont.write_text(json.dumps([{"prompt": p, "continuation": c} for b in sets
                                 for p, c in zip(sets[b], refs[b])]))
     d = start(f"{label}-draft", [sys.executable, str(BENCH / "replay.py"), "--continuations",
-                                 str(cont), "--corrupt", str(corrupt), "--port", "0"])
+                                 str(cont), "--corrupt", str(corrupt), "--port", "0",
+                                 *verify_extra])
     v = start("verify", verify_argv(target, device, d.addr, max(sets), verify_extra))
     outs: dict[int, list[list[int]]] = {}
     try:

@@ -51,6 +51,9 @@ def _add_runtime(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="tokens per KV page")
     p.add_argument("--metrics-port", type=int, metavar="P",
                    help="serve Prometheus /metrics on P (0 picks a free one; default off)")
+    p.add_argument("--busy-poll", choices=["auto", "on", "off"],
+                   help="while steps flow, poll on the event loop instead of sleeping "
+                        "(one busy core; default auto: on when the device is CUDA)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,10 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--step-mode", choices=["auto", "ragged", "fixed"],
                    help="verify step: fixed shapes (CUDA graphs on a GPU) or ragged "
                         "(default auto: fixed on CUDA)")
-    v.add_argument("--busy-poll", choices=["auto", "on", "off"],
-                   help="wait for the device and the draft by polling on the event loop "
-                        "instead of sleeping (one busy core; default auto: on for fixed "
-                        "steps on CUDA)")
     _add_runtime(v)
 
     g = sub.add_parser("generate", help="stream one completion from a verify service")
@@ -151,7 +150,7 @@ def _fields(args: argparse.Namespace, names: Sequence[str]) -> dict:
 
 
 _RUNTIME = ("host", "port", "device", "dtype", "kernels", "num_blocks", "block_size",
-            "metrics_port")
+            "metrics_port", "busy_poll")
 
 
 def _check_model(name: str | None) -> None:
@@ -187,8 +186,7 @@ def verify_config(args: argparse.Namespace):
     try:
         return VerifyConfig(model=args.model, draft=args.draft, **_fields(
             args, _RUNTIME + ("max_batch", "max_model_len", "prefill_tokens",
-                              "step_deadline_ms", "reconnect_s", "step_mode",
-                              "busy_poll")))
+                              "step_deadline_ms", "reconnect_s", "step_mode")))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

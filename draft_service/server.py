@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from common.devices import pick_device
 from common.grpc_server import run_server, start_server
 from common.telemetry import DRAFT_SERVICE_NAME, tracer_provider_from_env
 from draft_service.config import DraftConfig
@@ -60,7 +61,8 @@ def build_engine(cfg: DraftConfig, proposer: Proposer | None,
 async def _start(cfg: DraftConfig, proposer: Proposer | None,
                  tracer_provider: TracerProvider | None = None
                  ) -> tuple[grpc.aio.Server, int, DrafterServicer]:
-    servicer = DrafterServicer(build_engine(cfg, proposer, tracer_provider))
+    servicer = DrafterServicer(build_engine(cfg, proposer, tracer_provider),
+                               cfg.busy(pick_device(cfg.device).type))
     server, port = await start_server(
         cfg.host, cfg.port, lambda s: pb_grpc.add_DrafterServicer_to_server(servicer, s),
         [SERVICE_NAME])

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from common import codec, wire
+from common.aio import LoopSpinner
 from common.errors import InvalidRequest
 from draft_service.engine import DraftEngine
 from protos.treespec.v1 import treespec_pb2 as pb
@@ -32,8 +33,9 @@ from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
-    def __init__(self, engine: DraftEngine) -> None:
+    def __init__(self, engine: DraftEngine, busy_poll: bool = False) -> None:
         self.engine = engine
+        self._spinner = LoopSpinner() if busy_poll else None   # see common.aio
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
         self._staging = codec.Staging()
         self._inline = bool(getattr(engine.proposer, "light", False))
@@ -51,6 +53,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 raise InvalidRequest(f"step_id {msg.step_id} after {last}: step ids must "
                                      "increase within a Speculate stream")
             last = msg.step_id
+            if self._spinner is not None:   # the next step's request is a forward away
+                self._spinner.keep_hot()
             yield self._step(msg) if self._inline else \
                 await loop.run_in_executor(self._worker, self._step, msg)
 

@@ -15,24 +15,26 @@ from kernels.triton_tree_attention import paged_tree_attention as _paged_tree_at
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _skinny(x: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+def _skinny(x: torch.Tensor, w: torch.Tensor, silu: bool,
+            bias: torch.Tensor | None = None) -> bool:
     """A decode / verify-sized product in 16 bits: the Triton GEMV (reads the weight
     once at ~4 TB/s and fuses SwiGLU); anything else goes to the GEMM library."""
-    return (bias is None and x.dim() == 2 and 0 < x.shape[0] <= triton_gemv.MAX_ROWS
-            and x.dtype in _SKINNY_DTYPES and x.stride(1) == 1)
+    n = w.shape[0] // 2 if silu else w.shape[0]
+    return (bias is None and x.dim() == 2 and x.dtype in _SKINNY_DTYPES
+            and x.stride(1) == 1 and triton_gemv.supports(x.shape[0], n, x.shape[1], silu))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """See kernels.reference.linear."""
-    if _skinny(x, bias):
+    if _skinny(x, weight, False, bias):
         return triton_gemv.linear(x, weight)
     return reference.linear(x, weight, bias)
 
 
 def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """See kernels.reference.linear_silu_mul."""
-    if _skinny(x):
+    if _skinny(x, gate_up, True):
         return triton_gemv.linear_silu_mul(x, gate_up)
     return silu_mul(reference.linear(x, gate_up))
 

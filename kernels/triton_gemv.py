@@ -7,16 +7,19 @@ plus separate small kernels pays extra launches. Here:
 
 * One program per BN output columns, looping over K in BK tiles. Each tile of W
   ([BN, BK], contiguous along K) is loaded once and multiplied against all rows
-  of x ([BM, BK], BM = 16 padded rows) with tl.dot, fp32 accumulation, one bf16
-  rounding at the end: every row's reduction runs in the same order whatever M
-  is, so a row's output does not depend on how many rows came with it.
+  of x ([BM, BK], M padded to the row class BM = 16, 32, 64 or 128) with tl.dot,
+  fp32 accumulation, one bf16 rounding at the end: within a row class every
+  row's reduction runs in the same order whatever M is, so a row's output does
+  not depend on how many rows came with it.
 * ``linear_silu_mul`` reads the gate rows [n, n+BN) and the up rows
   [I+n, I+n+BN) of the fused gate_up weight in the same program and writes
   silu(gate) * up, with the same roundings as ``kernels.reference.silu_mul``
   applied to a bf16 gate_up (so it equals ``silu_mul(linear(x, W))``).
 
 Tile sizes come from ``pick_config`` (measured on an H200 by bench/gemv_probe.py)
-and depend on (N, K) only, never on M.
+and depend on (N, K) and the row class only. Past 16 rows a product goes to the
+GEMM library unless a measured config says this kernel wins there
+(``supports``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import triton.language as tl
 from kernels.triton_common import (FLOAT_DTYPES, check_devices, check_dtype, check_shape,
                                    launch_options, pdl_enter)
 
-MAX_ROWS = 16
+MAX_ROWS = 128
+ROW_CLASSES = (16, 32, 64, 128)
 
 
 @triton.jit
@@ -80,17 +84,27 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, UP_OFF,
 # won at 1, 5 and 16 rows, bench/NOTES.md); the default was within 6 % of the best
 # at every one of them.
 DEFAULT_CONFIG = (32, 256, 4, 4)
-CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
-    (6144, 4096, False): (64, 256, 4, 4),       # qkv
-    (4096, 4096, False): (32, 512, 4, 4),       # o_proj
-    (12288, 4096, True): (32, 128, 4, 4),       # gate_up + SwiGLU
-    (4096, 12288, False): (32, 512, 4, 4),      # down
-    (151936, 4096, False): (64, 512, 4, 2),     # lm_head
+CONFIGS: dict[tuple[int, int, bool, int], tuple[int, int, int, int]] = {
+    (6144, 4096, False, 16): (64, 256, 4, 4),       # qkv
+    (4096, 4096, False, 16): (32, 512, 4, 4),       # o_proj
+    (12288, 4096, True, 16): (32, 128, 4, 4),       # gate_up + SwiGLU
+    (4096, 12288, False, 16): (32, 512, 4, 4),      # down
+    (151936, 4096, False, 16): (64, 512, 4, 2),     # lm_head
 }
 
 
-def pick_config(n: int, k: int, silu: bool) -> tuple[int, int, int, int]:
-    return CONFIGS.get((n, k, silu), DEFAULT_CONFIG)
+def row_class(m: int) -> int:
+    return next(c for c in ROW_CLASSES if m <= c)
+
+
+def supports(m: int, n: int, k: int, silu: bool) -> bool:
+    """Whether this kernel is the one to use for m rows: always up to 16, past that
+    only where a measured config exists."""
+    return 0 < m <= 16 or (m <= MAX_ROWS and (n, k, silu, row_class(m)) in CONFIGS)
+
+
+def pick_config(n: int, k: int, silu: bool, bm: int = 16) -> tuple[int, int, int, int]:
+    return CONFIGS.get((n, k, silu, bm), DEFAULT_CONFIG if bm == 16 else (32, 64, 4, 3))
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, silu: bool,
@@ -109,24 +123,25 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, silu: bool,
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    bn, bk, warps, stages = config or pick_config(n_out, k, silu)
+    bm = row_class(m)
+    bn, bk, warps, stages = config or pick_config(n_out, k, silu, bm)
     interp = x.device.type != "cuda"
     _gemv_kernel[(triton.cdiv(n_out, bn),)](
         x, w, out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), n_out if silu else 0,
-        BM=MAX_ROWS, BN=bn, BK=bk, SILU=silu, DOT_F32=interp or x.dtype == torch.float32,
+        BM=bm, BN=bn, BK=bk, SILU=silu, DOT_F32=interp or x.dtype == torch.float32,
         num_warps=warps, num_stages=stages, **launch_options(_gemv_kernel, x.device))
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M <= 16, K] @ weight[N, K].T -> [M, N] in x's dtype."""
+    """x [M <= 128, K] @ weight[N, K].T -> [M, N] in x's dtype."""
     return _launch(x, weight, weight.shape[0], False, config, "linear")
 
 
 def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor,
                     config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """silu_mul(linear(x, gate_up)): x [M <= 16, K], gate_up [2I, K] -> [M, I]."""
+    """silu_mul(linear(x, gate_up)): x [M <= 128, K], gate_up [2I, K] -> [M, I]."""
     if gate_up.dim() != 2 or gate_up.shape[0] % 2:
         raise ValueError(f"linear_silu_mul: gate_up must be [2I, K], got {tuple(gate_up.shape)}")
     return _launch(x, gate_up, gate_up.shape[0] // 2, True, config, "linear_silu_mul")

@@ -24,7 +24,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("m,n,k", [(1, 40, 70), (5, 64, 256), (16, 33, 300)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 70), (5, 64, 256), (16, 33, 300), (40, 24, 100)])
 def test_linear_matches_torch(dtype, tol, m, n, k):
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
@@ -43,6 +43,7 @@ def test_linear_silu_mul_matches_reference(dtype, tol):
 
 
 def test_row_does_not_depend_on_row_count():
+    """Within a row class (here up to 16 rows) a row's output is the same alone."""
     g = torch.Generator().manual_seed(4)
     x = torch.randn(7, 200, generator=g).to(DEV)
     w = torch.randn(48, 200, generator=g).to(DEV)
@@ -51,10 +52,17 @@ def test_row_does_not_depend_on_row_count():
         assert torch.equal(gemv.linear(x[i:i + 1], w, SMALL)[0], many[i])
 
 
+def test_past_16_rows_only_measured_shapes_use_the_kernel():
+    assert gemv.supports(16, 1, 1, False) and not gemv.supports(17, 1, 1, False)
+    assert not gemv.supports(0, 1, 1, False) and not gemv.supports(129, 4096, 4096, False)
+    assert [gemv.row_class(m) for m in (1, 16, 17, 33, 64, 65, 128)] == [16, 16, 32, 64, 64,
+                                                                         128, 128]
+
+
 def test_refuses_bad_arguments():
-    x = torch.randn(17, 32, device=DEV)
+    x = torch.randn(129, 32, device=DEV)
     w = torch.randn(8, 32, device=DEV)
-    with pytest.raises(ValueError, match="at most 16 rows"):
+    with pytest.raises(ValueError, match="at most 128 rows"):
         gemv.linear(x, w)
     with pytest.raises(ValueError, match="weight must have shape"):
         gemv.linear(x[:2], torch.randn(8, 31, device=DEV))

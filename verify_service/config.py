@@ -18,7 +18,6 @@ class VerifyConfig(ServiceConfig):
     step_deadline_ms: float = 100.0   # wait this long for a proposal, then plain decode
     reconnect_s: float = 1.0          # retry period while the draft is unreachable
     step_mode: str = "auto"           # auto (fixed on CUDA), ragged, fixed (CUDA graphs on GPU)
-    busy_poll: str = "auto"           # auto (on for fixed steps on CUDA), on, off: see engine
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -28,9 +27,5 @@ class VerifyConfig(ServiceConfig):
             raise ValueError("max_batch must be >= 1")
         if self.step_mode not in ("auto", "ragged", "fixed"):
             raise ValueError(f"step_mode must be auto, ragged or fixed, got {self.step_mode!r}")
-        if self.busy_poll not in ("auto", "on", "off"):
-            raise ValueError(f"busy_poll must be auto, on or off, got {self.busy_poll!r}")
-        if self.busy_poll == "on" and self.step_mode == "ragged":
-            raise ValueError("busy_poll on needs fixed steps (step_mode auto or fixed)")
         if self.step_deadline_ms <= 0 or self.reconnect_s <= 0:
             raise ValueError("step_deadline_ms and reconnect_s must be > 0")

@@ -7,12 +7,12 @@ accepting, committing and streaming 1..depth+1 tokens each. A missing, late or
 broken proposal turns the step into plain decode: output never changes.
 
 Compute runs in a single worker thread; all state is touched only on the event loop.
-With busy polling (fixed steps, by default on CUDA) a step whose graph is captured
-is launched from the event loop, which then polls the device's completion event
-and, through the draft link, the proposal, instead of sleeping: a sleeping thread
-costs a wake-up (tens of microseconds to a millisecond on a VM) each time the GPU
-or the draft answers, and every one of those is on a step's critical path. It
-keeps one core busy while requests run.
+With busy polling (by default on CUDA) the event loop does not sleep while steps
+flow (common.aio.LoopSpinner), a fixed step whose graph is captured is launched
+from the loop, which then polls the device's completion event, and the draft link
+polls for the proposal: a sleeping thread costs a wake-up (tens of microseconds
+to a millisecond on a VM) each time the GPU or the draft answers, and every one
+of those is on a step's critical path. It keeps one core busy while requests run.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 
-from common.aio import cancel_and_wait, spin_until
+from common.aio import LoopSpinner, cancel_and_wait, spin_until
 from common.codec import Staging
 from common.errors import InvalidRequest, Unavailable
 from common.qwen3 import Qwen3Model
@@ -45,7 +45,7 @@ class VerifyEngine:
     def __init__(self, model: Qwen3Model, num_blocks: int, block_size: int, max_batch: int,
                  max_model_len: int, prefill_tokens: int, step_deadline_s: float,
                  link: DraftLink | None = None, kernels: str = "auto",
-                 step_mode: str = "auto", busy_poll: str = "auto",
+                 step_mode: str = "auto", busy_poll: bool = False,
                  observer: EngineObserver | None = None) -> None:
         self.model = model
         self.spec = model.spec
@@ -54,10 +54,10 @@ class VerifyEngine:
         fixed = step_mode == "fixed" or (step_mode == "auto" and model.device.type == "cuda")
         self.verifier = GraphVerifier(model, self.cache, ops) if fixed else \
             Verifier(model, self.cache, ops)
-        self.busy_poll = fixed and (busy_poll == "on" or (busy_poll == "auto"
-                                                          and model.device.type == "cuda"))
+        self.busy_poll = busy_poll and fixed     # launch from the loop, poll the device
+        self._spinner = LoopSpinner() if busy_poll else None
         if link is not None:
-            link.busy_poll = self.busy_poll
+            link.busy_poll = busy_poll
         self.max_batch = max_batch
         self.max_model_len = max_model_len or model.spec.max_position
         self.prefill_tokens = prefill_tokens
@@ -145,6 +145,8 @@ class VerifyEngine:
         self._wake.set()
         await cancel_and_wait(self._task)
         self._reap(force=True)
+        if self._spinner is not None:
+            await self._spinner.close()
         self._pool.shutdown(wait=True)
         self.observer.close()
 
@@ -312,6 +314,8 @@ class VerifyEngine:
         if not seqs:
             return
         t0 = time.time_ns()
+        if self._spinner is not None:
+            self._spinner.keep_hot()
         self.observer.step_started(seqs)
         # a drafter that reads hidden states can only serve sequences whose history
         # was captured (those admitted before it connected decode plainly)
