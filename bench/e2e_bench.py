@@ -102,6 +102,8 @@ def throughput(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bo
     # the prefill's token is not a step's: leave it out of tokens per step
     per_step = (gen - len(stats)) / max(1, steps)
     parts = step_breakdown(before, step_sums(metrics)) if metrics is not None else {}
+    if "step_ms" in parts:      # the decode phase alone: what a step commits over what it costs
+        parts["decode_tok_s"] = 1000 * per_step * len(prompts) / parts["step_ms"]
     return {"tok_s": gen / dt, "tokens_per_step": per_step, "seconds": dt, **parts,
             "accepted": sum(s["accepted_tokens"] for s in stats),
             "drafted": sum(s["draft_tokens"] for s in stats),

@@ -138,6 +138,10 @@ def main() -> None:
         out["e2e"] = r
         out["oracle4_tok_s"] = r["replay_b1"]["tok_s"]
         out["oracle4_tokens_per_step"] = r["replay_b1"]["tokens_per_step"]
+        if "decode_tok_s" in r["replay_b1"] and "decode_tok_s" in r.get("plain_b1", {}):
+            # oracle4_tok_s / plain counts each request's prefill too; this is decode only
+            out["oracle4_decode_ratio"] = (r["replay_b1"]["decode_tok_s"]
+                                           / r["plain_b1"]["decode_tok_s"])
         step_ms = 1000 * r["replay_b1"]["tokens_per_step"] / r["replay_b1"]["tok_s"]
         # the hop as a serving step pays it (the verify service's own histogram,
         # threads woken after the forward's idle); the bench's standalone loops beside it

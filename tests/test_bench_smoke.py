@@ -35,4 +35,5 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
         assert e2e[f"replay_b{b}"]["step_ms"] > e2e[f"replay_b{b}"]["verify_ms"] > 0
     assert 0 < r["hop_share"] < 1
     assert e2e["replay_b1_nopoll"]["lossless"] and e2e["plain_b1_nopoll"]["tok_s"] > 0
+    assert r["oracle4_decode_ratio"] > 0 and e2e["replay_b1"]["decode_tok_s"] > 0
     assert e2e["model_b1"]["fallback_steps"] == 0 and "error" not in e2e["model_b1"]
