@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.inproc_bench import replay_ms  # noqa: E402
 from kernels import triton_gemv  # noqa: E402
 from kernels.triton_fused import silu_mul  # noqa: E402
 
@@ -47,16 +48,7 @@ def graph_ms(fns: list, reps: int = 4) -> float:
         for _ in range(reps):
             for f in fns:
                 f()
-    g.replay()
-    times = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[2] / (reps * len(fns))
+    return replay_ms(g, reps=5) / (reps * len(fns))
 
 
 def main() -> None:

@@ -36,6 +36,32 @@ def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / best
 
 
+def cuda_ms(fn, iters: int = 50) -> float:
+    """Mean device ms of fn() replayed from a CUDA graph of iters calls."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            fn()
+    return replay_ms(g) / iters
+
+
+def replay_ms(g: torch.cuda.CUDAGraph, reps: int = 20) -> float:
+    """Median device ms of one replay of a captured graph (events around each)."""
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return sorted(times)[reps // 2]
+
+
 def hf_decode_tok_s(hf, prompt: torch.Tensor, new_tokens: int = 32) -> float:
     """HF generate, eager, greedy: decode tokens/s excluding the prefill."""
     dev = prompt.device

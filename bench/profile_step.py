@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench import shapes  # noqa: E402
-from bench.inproc_bench import copy_bandwidth  # noqa: E402
+from bench.inproc_bench import copy_bandwidth, cuda_ms, replay_ms  # noqa: E402
 from common.devices import pick_device  # noqa: E402
 from common.kv_cache import SeqPages  # noqa: E402
 from common.model_config import Qwen3Spec  # noqa: E402
@@ -47,32 +47,6 @@ def random_model(name: str, dev: torch.device, plant: bool = False) -> Qwen3Mode
     if plant:
         shapes.plant_successor(model.embed.weight, model.lm_head.weight, 0)
     return model.eval().requires_grad_(False)
-
-
-def cuda_ms(fn, iters: int = 50) -> float:
-    """Mean device ms of fn() replayed from a CUDA graph of iters calls."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(iters):
-            fn()
-    return replay_ms(g) / iters
-
-
-def replay_ms(g: torch.cuda.CUDAGraph, reps: int = 20) -> float:
-    """Median device ms of one replay of a captured graph (events around each)."""
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[reps // 2]
 
 
 def gemv_table(model: Qwen3Model, bw: float) -> dict:
