@@ -59,13 +59,12 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 def launch_options(kernel: object, device: torch.device) -> dict:
-    """{PDL: bool, launch_pdl: bool} keyword arguments for a launch of kernel (empty
-    PDL=False under the interpreter, which has no launch options)."""
+    """Keyword arguments for a launch of kernel: the PDL constexpr, and launch_pdl
+    only where it is on (a Triton without that option never sees it)."""
     if interpreted(kernel):
         return {"PDL": False}
-    on = pdl_supported(device) if _pdl_choice is None else (_pdl_choice and
-                                                           pdl_supported(device))
-    return {"PDL": on, "launch_pdl": on}
+    on = pdl_supported(device) and _pdl_choice is not False
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 def interpreted(kernel: object) -> bool:

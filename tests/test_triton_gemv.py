@@ -98,3 +98,10 @@ def test_qwen3_8b_projections_on_gpu(m):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, gemv.linear(gemv.linear_silu_mul(x, gu)[:, :4096].contiguous(), w))
+
+
+def test_pdl_only_where_the_device_and_triton_have_it():
+    common = _load("kernels.triton_common")
+    assert not common.pdl_supported(torch.device("cpu"))
+    if DEV.type == "cpu":       # interpreted kernels take no launch options
+        assert common.launch_options(gemv._gemv_kernel, DEV) == {"PDL": False}
