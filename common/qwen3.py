@@ -48,9 +48,9 @@ class Qwen3Layer(nn.Module):
         before it (None at layer 0). Returns (this layer's MLP output, residual)."""
         s, eps = self.spec, self.spec.rms_norm_eps
         h, residual = ops.add_rms_norm(x, residual, self.input_norm, eps)
-        q = ops.qk_norm_rope_write(ops.linear(h, self.qkv.weight, self.qkv.bias), self.q_norm, self.k_norm, fb.positions,
-                                   inv_freq, k_cache, v_cache, fb.slots, s.num_heads,
-                                   s.num_kv_heads, eps)
+        qkv = ops.linear(h, self.qkv.weight, self.qkv.bias)
+        q = ops.qk_norm_rope_write(qkv, self.q_norm, self.k_norm, fb.positions, inv_freq,
+                                   k_cache, v_cache, fb.slots, s.num_heads, s.num_kv_heads, eps)
         attn = ops.paged_tree_attention(q, k_cache, v_cache, fb.block_tables, fb.context_lens,
                                         fb.cu_q, fb.chunk_parents, s.head_dim ** -0.5)
         h, residual = ops.add_rms_norm(ops.linear(attn.reshape(x.shape[0], self.q_size),

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from kernels import reference, triton_gemv
 from kernels.triton_accept import accept_greedy
 from kernels.triton_fused import add_rms_norm, qk_norm_rope_write, rms_norm, silu_mul
-from kernels import reference, triton_gemv
 from kernels.triton_kv import compact_kv, write_kv
 from kernels.triton_tree_attention import paged_tree_attention as _paged_tree_attention
 
@@ -49,4 +49,5 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 __all__ = ["write_kv", "paged_tree_attention", "accept_greedy", "compact_kv",
-           "rms_norm", "add_rms_norm", "qk_norm_rope_write", "silu_mul", "linear", "linear_silu_mul"]
+           "rms_norm", "add_rms_norm", "qk_norm_rope_write", "silu_mul", "linear",
+           "linear_silu_mul"]

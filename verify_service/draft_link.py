@@ -32,7 +32,8 @@ def _settle(fut: asyncio.Future, value: object) -> None:
 
 
 class DraftLink:
-    def __init__(self, addr: str, reconnect_s: float, vocab_size: int, num_layers: int) -> None:
+    def __init__(self, addr: str, reconnect_s: float, vocab_size: int, num_layers: int,
+                 busy_poll: bool = False) -> None:
         self.addr = addr
         self.reconnect_s = reconnect_s
         self.vocab_size = vocab_size
@@ -46,7 +47,7 @@ class DraftLink:
         self._task: asyncio.Task | None = None
         self._staging = codec.Staging()
         self._closed = False
-        self.busy_poll = False      # poll for the answer on the loop (set by the engine)
+        self.busy_poll = busy_poll      # poll for the answer on the loop, never sleep
 
     @property
     def ready(self) -> bool:

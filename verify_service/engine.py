@@ -6,13 +6,8 @@ and (3) runs ONE target forward over [root, nodes] of every running sequence,
 accepting, committing and streaming 1..depth+1 tokens each. A missing, late or
 broken proposal turns the step into plain decode: output never changes.
 
-Compute runs in a single worker thread; all state is touched only on the event loop.
-With busy polling (by default on CUDA) the event loop does not sleep while steps
-flow (common.aio.LoopSpinner), a fixed step whose graph is captured is launched
-from the loop, which then polls the device's completion event, and the draft link
-polls for the proposal: a sleeping thread costs a wake-up (tens of microseconds
-to a millisecond on a VM) each time the GPU or the draft answers, and every one
-of those is on a step's critical path. It keeps one core busy while requests run.
+All state is touched only on the event loop; compute runs where
+verify_service.step_runner puts it (a worker thread, or the loop when busy polling).
 """
 
 from __future__ import annotations
@@ -21,9 +16,8 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
 
-from common.aio import LoopSpinner, cancel_and_wait, spin_until
+from common.aio import cancel_and_wait
 from common.codec import Staging
 from common.errors import InvalidRequest, Unavailable
 from common.qwen3 import Qwen3Model
@@ -36,6 +30,7 @@ from verify_service.observer import EngineObserver, NullObserver, StepRecord
 from verify_service.hidden_states import HiddenBuffer, hidden_rows_for
 from verify_service.request import GenRequest
 from verify_service.sequence import Sequence, batch_trees
+from verify_service.step_runner import StepRunner
 from verify_service.verifier import Verifier
 
 log = logging.getLogger("treespec.verify.engine")
@@ -54,10 +49,7 @@ class VerifyEngine:
         fixed = step_mode == "fixed" or (step_mode == "auto" and model.device.type == "cuda")
         self.verifier = GraphVerifier(model, self.cache, ops) if fixed else \
             Verifier(model, self.cache, ops)
-        self.busy_poll = busy_poll and fixed     # launch from the loop, poll the device
-        self._spinner = LoopSpinner() if busy_poll else None
-        if link is not None:
-            link.busy_poll = busy_poll
+        self.runner = StepRunner(self.verifier, busy_poll)
         self.max_batch = max_batch
         self.max_model_len = max_model_len or model.spec.max_position
         self.prefill_tokens = prefill_tokens
@@ -72,7 +64,6 @@ class VerifyEngine:
         self._epoch = 0
         self._wake = asyncio.Event()
         self._staging = Staging()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="treespec-verify")
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -145,9 +136,7 @@ class VerifyEngine:
         self._wake.set()
         await cancel_and_wait(self._task)
         self._reap(force=True)
-        if self._spinner is not None:
-            await self._spinner.close()
-        self._pool.shutdown(wait=True)
+        await self.runner.close()
         self.observer.close()
 
     async def _loop(self) -> None:
@@ -170,19 +159,6 @@ class VerifyEngine:
                     seq.cancelled = True
                     seq.error = f"the engine failed this request: {type(e).__name__}: {e}"
             await asyncio.sleep(0)
-
-    async def _compute(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    async def _verify(self, pages: list, roots: list[int], tokens, parents, depth: int):
-        """verifier.step, launched from the loop and polled when busy polling and its
-        graph is captured (a capture takes seconds: that one runs in the worker)."""
-        n = 0 if tokens is None else tokens.shape[1]
-        if not (self.busy_poll and self.verifier.captured(pages, n)):
-            return await self._compute(self.verifier.step, pages, roots, tokens, parents, depth)
-        pending = self.verifier.launch(pages, roots, tokens, parents, depth)
-        await spin_until(pending.ready)
-        return self.verifier.finish(pending)
 
     def _reap(self, force: bool = False) -> None:
         """Free finished and cancelled sequences and tell their owners."""
@@ -224,7 +200,7 @@ class VerifyEngine:
         # running from here on, so a failed prefill is reaped (pages back, clients told)
         self.running.extend(batch)
         t0 = time.time_ns()
-        firsts, feats = await self._compute(self.verifier.prefill, [s.pages for s in batch],
+        firsts, feats = await self.runner.compute(self.verifier.prefill, [s.pages for s in batch],
                                             [list(s.tokens) for s in batch])
         for i, (seq, tok) in enumerate(zip(batch, firsts)):
             seq.hidden = HiddenBuffer(feats[i]) if feats is not None else None
@@ -314,8 +290,7 @@ class VerifyEngine:
         if not seqs:
             return
         t0 = time.time_ns()
-        if self._spinner is not None:
-            self._spinner.keep_hot()
+        self.runner.keep_hot()
         self.observer.step_started(seqs)
         # a drafter that reads hidden states can only serve sequences whose history
         # was captured (those admitted before it connected decode plainly)
@@ -331,8 +306,8 @@ class VerifyEngine:
         if tree is not None:
             tokens, parents = batch_trees(seqs, spec_seqs, tree)
             depth = self.link.info.envelope.depth
-        res = await self._verify([s.pages for s in seqs], [s.tokens[-1] for s in seqs],
-                                 tokens, parents, depth)
+        res = await self.runner.step([s.pages for s in seqs], [s.tokens[-1] for s in seqs],
+                                     tokens, parents, depth)
         t2 = time.time_ns()
         rows: list[tuple[Sequence, int, int, int, int]] = []
         tok_l = tokens.tolist() if tokens is not None else None

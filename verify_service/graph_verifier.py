@@ -34,6 +34,7 @@ class GraphVerifier(Verifier):
         super().__init__(model, cache, ops)
         self.buckets = BucketedGraphs(cache, capture)
         self._host: dict[torch.Size, torch.Tensor] = {}     # pinned readback buffers
+        self._done: torch.cuda.Event | None = None          # readback finished
 
     @property
     def graphs(self) -> dict:
@@ -48,10 +49,14 @@ class GraphVerifier(Verifier):
     def captured(self, pages: list[SeqPages], n: int) -> bool:
         """Whether a step of these sequences with n-node trees has its graph already
         (reserves the step's slots, as the step would)."""
-        for sp in pages:
-            self.cache.reserve(sp, sp.kv_len + n + 1)
+        self._reserve(pages, n)
         b, p = self.buckets.buckets(pages)
         return ((n, self.capture_layers), b, p) in self.buckets.graphs
+
+    def _reserve(self, pages: list[SeqPages], n: int) -> None:
+        """Slots for [root, n nodes] past each committed length (idempotent)."""
+        for sp in pages:
+            self.cache.reserve(sp, sp.kv_len + n + 1)
 
     @torch.inference_mode()
     def launch(self, pages: list[SeqPages], roots: list[int], tokens: torch.Tensor | None,
@@ -61,8 +66,7 @@ class GraphVerifier(Verifier):
         ``finish(pending)`` completes the step (blocks until it is done)."""
         real = len(pages)
         n = 0 if tokens is None else tokens.shape[1]
-        for sp in pages:
-            self.cache.reserve(sp, sp.kv_len + n + 1)
+        self._reserve(pages, n)
         gb = self.buckets
         b, p = gb.buckets(pages)
         walk, cap, dev = (depth if n else 0), self.capture_layers, self.cache.device
@@ -93,9 +97,10 @@ class GraphVerifier(Verifier):
             host = self._host[out.shape] = torch.empty(out.shape, dtype=out.dtype,
                                                        pin_memory=True)
         host.copy_(out, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(out.device))
-        return host, done
+        if self._done is None:          # one event, re-recorded: steps never overlap
+            self._done = torch.cuda.Event()
+        self._done.record(torch.cuda.current_stream(out.device))
+        return host, self._done
 
     @torch.inference_mode()
     def finish(self, pending: PendingStep) -> StepResult:
