@@ -5,8 +5,9 @@ cuBLAS GEMV against the copy bandwidth.
 
     python bench/profile_step.py --out DIR [--shape qwen3-8b] [--ctx 1024]
 
-Writes DIR/profile.json (timings) and DIR/kernels.txt (torch.profiler table of
-graph-replayed steps, by CUDA time). Random weights; nothing here is a result for users, it
+Writes DIR/profile.json (timings) and DIR/kernels.txt (torch.profiler tables of
+graph-replayed steps, by CUDA time: the plain step, then verify steps of --nodes random
+trees, so a tree step's extra cost can be read kernel by kernel). Random weights; nothing here is a result for users, it
 explains the gap between bench/h200.py's plain step and its floor.
 """
 
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench import shapes  # noqa: E402
-from bench.inproc_bench import copy_bandwidth, cuda_ms, replay_ms  # noqa: E402
+from bench.inproc_bench import copy_bandwidth, cuda_ms, random_trees, replay_ms  # noqa: E402
 from common.devices import pick_device  # noqa: E402
 from common.kv_cache import SeqPages  # noqa: E402
 from common.model_config import Qwen3Spec  # noqa: E402
@@ -64,11 +65,45 @@ def gemv_table(model: Qwen3Model, bw: float) -> dict:
     return out
 
 
+def tree_profile(ver: GraphVerifier, pages: list[SeqPages], roots: list[int], ctx: int,
+                 nodes: list[int], out_dir: Path | None, steps: int = 5) -> dict:
+    """Per tree size: replay ms, and each kernel's CUDA ms per step (profiler), so the
+    cost a tree adds over a plain step shows kernel by kernel. Tables -> kernels.txt."""
+    from torch.profiler import ProfilerActivity, profile
+    g = torch.Generator().manual_seed(0)
+    vocab = ver.model.spec.vocab_size
+    out, text = {}, []
+    for n in nodes:
+        depth = min(n, 8)
+        tok = torch.randint(0, vocab, (1, n), generator=g, dtype=torch.int32) if n else None
+        par = random_trees(1, n, depth, g) if n else None
+        for _ in range(3):                      # capture and warm
+            ver.step(pages, roots, tok, par, depth)
+            pages[0].kv_len = ctx
+        graph = [v for k, v in ver.graphs.items() if k[0][0] == n][0]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                ver.step(pages, roots, tok, par, depth)
+                pages[0].kv_len = ctx
+            torch.cuda.synchronize()
+        per_kernel = {e.key[:90]: round(e.device_time_total / 1000 / steps, 4)
+                      for e in prof.key_averages() if e.device_time_total > 0}
+        out[str(n)] = {"replay_ms": replay_ms(graph.graph),
+                       "kernel_ms": dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))}
+        text.append(f"{steps} graph-replayed verify steps, {n} nodes\n" + prof.key_averages()
+                    .table(sort_by="cuda_time_total", row_limit=25))
+        print(f"tree {n}: replay {out[str(n)]['replay_ms']:.3f} ms", flush=True)
+    if out_dir is not None:
+        (out_dir / "kernels.txt").write_text("\n\n".join(text))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--nodes", default="0,4,16,64", help="tree sizes to profile (GEMV+PDL)")
     a = ap.parse_args()
     dev = pick_device("cuda")
     out_dir = Path(a.out)
@@ -114,15 +149,11 @@ def main() -> None:
             row[f"replay_ms_{n}"] = replay_ms(g.graph)
         res["variants"][label] = row
         print(label, row, flush=True)
-        if label == "gemv_pdl":
-            from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    ver.step(pages, roots, None, None, 0)
-                    pages[0].kv_len = a.ctx
-                torch.cuda.synchronize()
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-            (out_dir / "kernels.txt").write_text("5 graph-replayed plain steps\n" + table)
+        if label != "cublas":   # kernel times without PDL: with it, a kernel's time
+            # includes waiting on its predecessor, so only the replay total is meaningful
+            row["trees"] = tree_profile(ver, pages, roots, a.ctx,
+                                        [int(n) for n in a.nodes.split(",")],
+                                        out_dir if label == "gemv" else None)
         cache.release(pages[0])
         del ver
     set_pdl(None)
