@@ -46,6 +46,10 @@ run)
                    --work /tmp/bw ${BENCH_ARGS:-} >>"$log" 2>&1 ;;
         profile) timeout "${PROFILE_S:-120}" python3 bench/profile_step.py --out "$OUT" \
                      >>"$log" 2>&1 ;;
+        attention) timeout "${ATTN_S:-150}" python3 bench/attention_probe.py \
+                       --out "$OUT/attention_probe.json" >>"$log" 2>&1 ;;
+        hop) timeout "${HOP_S:-120}" python3 bench/hop_probe.py --out "$OUT/hop_probe.json" \
+                 >>"$log" 2>&1 ;;
         esac
         echo "rc=$? ($(date +%T))" >>"$log"
     done

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import grpc
 
-from common import wire
+from common import frames, wire
 from common.client import AsyncTreespecClient
 from common.launch import ServiceProcess, child_env, cli_command
 from common.spec_types import SeqUpdate, SpecRequest
+from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
 BENCH = Path(__file__).resolve().parent
@@ -111,14 +112,22 @@ def throughput(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bo
 
 
 async def _hop_ms(draft_addr: str, prompt: list[int], gap_s: float = 0.0,
-                  iters: int = 50) -> float:
+                  carrier: str = "grpc", iters: int = 50) -> float:
     """Median round trip of one Speculate message for one sequence to the draft
-    (replay instrument: next to no draft compute), i.e. the gRPC hop a step pays.
-    gap_s idles between messages as a verify forward does: after an idle gap both
-    processes' threads wake from sleep, which a back-to-back loop never measures
-    (on a 2-core CPU VM: 0.78 ms back to back, 2.2-2.4 ms after 20 ms idle)."""
+    (replay instrument: next to no draft compute), i.e. the hop a step pays, on the
+    gRPC stream or the draft's local socket. gap_s idles between messages as a verify
+    forward does: after an idle gap both processes' threads wake from sleep, which a
+    back-to-back loop never measures (on a 2-core CPU VM: 0.78 ms back to back,
+    2.2-2.4 ms after 20 ms idle, by gRPC). Nothing spins here during the gap."""
     async with grpc.aio.insecure_channel(draft_addr) as ch:
-        call = pb_grpc.DrafterStub(ch).Speculate()
+        stub = pb_grpc.DrafterStub(ch)
+        if carrier == "grpc":
+            call = stub.Speculate()
+        else:
+            info = await stub.GetInfo(pb.DrafterInfoRequest())
+            call = await frames.FrameStream.open(info.local_socket, info.instance_id,
+                                                 pb.Proposal.FromString)
+        replies = aiter(call)
         times = []
         for step in range(1, iters + 1):
             new = prompt if step == 1 else [prompt[step % len(prompt)]]
@@ -128,9 +137,9 @@ async def _hop_ms(draft_addr: str, prompt: list[int], gap_s: float = 0.0,
                 await asyncio.sleep(gap_s)
             t0 = time.perf_counter()
             await call.write(wire.spec_request_to_pb(req))
-            await call.read()
+            await anext(replies)
             times.append(time.perf_counter() - t0)
-        await call.done_writing()
+        call.cancel()
     return 1000 * sorted(times[5:])[len(times[5:]) // 2]
 
 
@@ -150,18 +159,18 @@ def first_divergence(ids: list[list[int]], refs: list[list[int]]) -> list[int | 
             for o, r in zip(ids, refs)]
 
 
-def replay_phase(target: str, device: str, work: Path, label: str, corrupt: float,
+def replay_phase(target: str, device: str, work: Path, label: str, drafting: tuple[str, ...],
                  sets: dict[int, list[list[int]]], max_tokens: int,
                  refs: dict[int, list[list[int]]], plain: dict[int, list[list[int]]],
-                 res: dict, hop: bool = False, verify_extra: tuple[str, ...] = ()
-                 ) -> dict[int, list[list[int]]]:
-    """Both services with the replay instrument proposing refs; returns the outputs."""
+                 res: dict, hop: bool = False, draft_extra: tuple[str, ...] = (),
+                 verify_extra: tuple[str, ...] = ()) -> dict[int, list[list[int]]]:
+    """Both services with the replay instrument proposing refs (drafting: its
+    --corrupt / --accept flags); returns the outputs."""
     cont = work / f"{label}_continuations.json"
     cont.write_text(json.dumps([{"prompt": p, "continuation": c} for b in sets
                                 for p, c in zip(sets[b], refs[b])]))
     d = start(f"{label}-draft", [sys.executable, str(BENCH / "replay.py"), "--continuations",
-                                 str(cont), "--corrupt", str(corrupt), "--port", "0",
-                                 *verify_extra])
+                                 str(cont), *drafting, "--port", "0", *draft_extra])
     v = start("verify", verify_argv(target, device, d.addr, max(sets), verify_extra))
     outs: dict[int, list[list[int]]] = {}
     try:
@@ -178,12 +187,14 @@ def replay_phase(target: str, device: str, work: Path, label: str, corrupt: floa
                   f"reference: {res[f'{label}_b{b}']['identical_to_reference']}", flush=True)
         if hop:
             first = next(iter(sets.values()))[0]
-            res["hop_ms"] = asyncio.run(_hop_ms(d.addr, first))
             # idle for one plain step between messages, as in serving
             gap = res.get(f"plain_b{next(iter(sets))}", {}).get("step_ms", 5.0) / 1000
-            res["hop_idle_ms"] = asyncio.run(_hop_ms(d.addr, first, gap_s=gap))
-            print(f"hop: {res['hop_ms']:.3f} ms back to back, {res['hop_idle_ms']:.3f} ms "
-                  f"after {gap * 1000:.1f} ms idle", flush=True)
+            for carrier, key in (("grpc", "hop"), ("socket", "hop_socket")):
+                res[f"{key}_ms"] = asyncio.run(_hop_ms(d.addr, first, carrier=carrier))
+                res[f"{key}_idle_ms"] = asyncio.run(_hop_ms(d.addr, first, gap, carrier))
+                print(f"hop by {carrier}: {res[f'{key}_ms']:.3f} ms back to back, "
+                      f"{res[f'{key}_idle_ms']:.3f} ms after {gap * 1000:.1f} ms idle",
+                      flush=True)
     finally:
         v.stop()
         d.stop()
@@ -213,12 +224,14 @@ def model_phase(target: str, draft: str, device: str, draft_device: str,
 
 
 def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
-            batches: list[int], corrupt: float, work: Path, placement: str = "same",
-            ab_busy_poll: bool = False) -> dict:
+            batches: list[int], drafting: tuple[str, ...], work: Path,
+            placement: str = "same", ab_busy_poll: bool = False, ab_grpc: bool = False) -> dict:
     """prompts: at least sum(batches); each batch size gets its own prompts, so each
-    replay reference is recorded at the batch shape it is replayed at. ab_busy_poll:
-    also the first batch size, plain and replay, with the verify service's busy
-    polling off (`*_nopoll` keys), for the side-by-side comparison."""
+    replay reference is recorded at the batch shape it is replayed at. drafting: the
+    replay instrument's --accept / --corrupt flags. ab_busy_poll: also the first batch
+    size, plain and replay, with busy polling off (`*_nopoll` keys); ab_grpc: also its
+    replay with draft steps on the gRPC stream instead of the local socket (`*_grpc`
+    keys), for the side-by-side comparisons."""
     res: dict = {"placement": placement}
     draft_device, device = placement_devices(placement, device)
     sets, at = {}, 0
@@ -241,11 +254,18 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     #    in bf16 plain decode's [B, 1] forwards round differently and near-tied
     #    argmaxes can flip (bench/divergence.py), after which a continuation
     #    recorded by plain decode would never be accepted again.
-    refs = replay_phase(target, device, work, "reject", 1.0, sets, max_tokens, plain, plain,
-                        res)
-    # 3. replay instrument (chain of 4) at the set corruption rate.
-    replay_phase(target, device, work, "replay", corrupt, sets, max_tokens, refs, plain, res,
+    refs = replay_phase(target, device, work, "reject", ("--corrupt", "1.0"), sets, max_tokens,
+                        plain, plain, res)
+    # 3. replay instrument (chain of 4) at the set tokens per step.
+    replay_phase(target, device, work, "replay", drafting, sets, max_tokens, refs, plain, res,
                  hop=True)
+    if ab_grpc:
+        b = batches[0]
+        by_grpc: dict = {}
+        replay_phase(target, device, work, "replay", drafting, {b: sets[b]}, max_tokens,
+                     {b: refs[b]}, {b: plain[b]}, by_grpc,
+                     verify_extra=("--draft-socket", "off"))
+        res.update({f"{k}_grpc": v for k, v in by_grpc.items()})
     if ab_busy_poll:
         b = batches[0]
         off = ("--busy-poll", "off")
@@ -258,8 +278,8 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
         finally:
             v.stop()
         nopoll: dict = {}
-        replay_phase(target, device, work, "replay", corrupt, {b: sets[b]}, max_tokens,
-                     {b: refs[b]}, {b: plain[b]}, nopoll, verify_extra=off)
+        replay_phase(target, device, work, "replay", drafting, {b: sets[b]}, max_tokens,
+                     {b: refs[b]}, {b: plain[b]}, nopoll, draft_extra=off, verify_extra=off)
         res.update({f"{k}_nopoll": v for k, v in nopoll.items()})
     # 4. the draft-model proposer (random weights: acceptance is near zero, so this
     #    measures what a draft costs, not what it buys). Its failure must not cost

@@ -59,6 +59,12 @@ def main() -> None:
     ap.add_argument("--ab-busy-poll", action="store_true",
                     help="also run plain and replay at the first batch size with the "
                          "verify service's busy polling off")
+    ap.add_argument("--ab-grpc", action="store_true",
+                    help="also run replay at the first batch size with draft steps on the "
+                         "gRPC stream instead of the draft's local socket")
+    ap.add_argument("--replay", default="exact", choices=["exact", "random"],
+                    help="4 tokens per step from the replay instrument: exactly (3 correct "
+                         "drafted tokens of 4 every step) or on average (random corruption)")
     ap.add_argument("--placement", default="same", choices=["same", "split"],
                     help="split: draft on cuda:0, verify on cuda:1 (two GPUs)")
     a = ap.parse_args()
@@ -133,8 +139,11 @@ def main() -> None:
         gp = torch.Generator().manual_seed(7)
         prompts = [torch.randint(0, 151936, (a.ctx,), generator=gp).tolist()
                    for _ in range(sum(batches))]
+        drafting = ("--accept", "3") if a.replay == "exact" else \
+            ("--corrupt", str(corrupt_for(4.0, 4)))
+        out["replay_drafting"] = " ".join(drafting)
         r = run_e2e(str(target_dir), str(draft_dir), a.device, prompts, a.max_tokens,
-                    batches, corrupt_for(4.0, 4), work, a.placement, a.ab_busy_poll)
+                    batches, drafting, work, a.placement, a.ab_busy_poll, a.ab_grpc)
         out["e2e"] = r
         out["oracle4_tok_s"] = r["replay_b1"]["tok_s"]
         out["oracle4_tokens_per_step"] = r["replay_b1"]["tokens_per_step"]
@@ -149,6 +158,11 @@ def main() -> None:
         out["hop_share"] = b1.get("hop_ms", r["hop_ms"]) / b1.get("step_ms", step_ms)
         out["hop_share_back_to_back"] = r["hop_ms"] / step_ms
         out["hop_share_idle_loop"] = r["hop_idle_ms"] / step_ms
+        out["hop_share_socket_idle_loop"] = r["hop_socket_idle_ms"] / step_ms
+        if "replay_b1_grpc" in r:     # the same serving step with its hop on gRPC
+            g = r["replay_b1_grpc"]
+            out["hop_share_grpc"] = g["hop_ms"] / g["step_ms"] if "hop_ms" in g else None
+            out["oracle4_tok_s_grpc"] = g["tok_s"]
         out["batch_tok_s"] = {str(b): {"plain": r[f"plain_b{b}"]["tok_s"],
                                        "spec": r[f"replay_b{b}"]["tok_s"]} for b in batches}
 

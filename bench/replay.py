@@ -1,10 +1,12 @@
 """A benchmark INSTRUMENT, not a proposer for users: it proposes the target's own
 greedy continuation (recorded beforehand through the verify service with
-speculation off), corrupting each drafted token with probability ``corrupt`` so
-that the mean tokens per step is set by the experiment rather than by a draft
-model's quality. Chains only. Run as its own draft service:
+speculation off), corrupted so that the mean tokens per step is set by the
+experiment rather than by a draft model's quality: each drafted token with
+probability ``--corrupt``, or, with ``--accept K``, exactly the tokens after the
+first K of each chain (every step then commits K + 1 tokens, but near a
+sequence's end). Chains only. Run as its own draft service:
 
-    python bench/replay.py --continuations FILE --corrupt 0.15 --port 0 [--depth 4]
+    python bench/replay.py --continuations FILE (--corrupt 0.15 | --accept 3) --port 0 [--depth 4]
 
 FILE is JSON: a list of {"prompt": [ids], "continuation": [ids]}.
 """
@@ -31,10 +33,12 @@ class ReplayProposer:
     name = "replay-instrument"
     light = True
 
-    def __init__(self, records: list[dict], depth: int, corrupt: float, vocab: int) -> None:
+    def __init__(self, records: list[dict], depth: int, corrupt: float, vocab: int,
+                 accept: int | None = None) -> None:
         self.refs = {tuple(r["prompt"]): r["continuation"] for r in records}
         self.plen = sorted({len(r["prompt"]) for r in records})
         self.depth, self.corrupt, self.vocab_size = depth, corrupt, vocab
+        self.accept = accept
         self.seqs: dict[int, list[int]] = {}
         self.rng = random.Random(0)
 
@@ -51,6 +55,11 @@ class ReplayProposer:
                 return ref, len(tokens) - n
         return None
 
+    def _corrupt(self, i: int) -> bool:
+        if self.accept is not None:
+            return i >= self.accept
+        return self.rng.random() < self.corrupt
+
     def propose(self, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, parents = padding_trees(len(seq_ids), self.depth)
         for row, s in enumerate(seq_ids):
@@ -58,8 +67,8 @@ class ReplayProposer:
             if found is None:
                 continue
             ref, done = found
-            draft = [(t + 1) % self.vocab_size if self.rng.random() < self.corrupt else t
-                     for t in ref[done:done + self.depth]]
+            draft = [(t + 1) % self.vocab_size if self._corrupt(i) else t
+                     for i, t in enumerate(ref[done:done + self.depth])]
             if draft:     # one row write each: this runs inside every timed step
                 tokens[row, :len(draft)] = torch.tensor(draft, dtype=torch.int32)
                 parents[row, :len(draft)] = torch.arange(-1, len(draft) - 1, dtype=torch.int32)
@@ -70,6 +79,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--continuations", required=True)
     ap.add_argument("--corrupt", type=float, default=0.15)
+    ap.add_argument("--accept", type=int, help="draft exactly this many correct tokens per "
+                    "chain, then corrupt the rest (overrides --corrupt)")
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--host", default="127.0.0.1")
@@ -84,7 +95,7 @@ def main() -> None:
     cfg = DraftConfig(method="ngram", envelope=env, host=a.host, port=a.port, device="cpu",
                       busy_poll=a.busy_poll)
     records = json.loads(Path(a.continuations).read_text())
-    server.run(cfg, proposer=ReplayProposer(records, a.depth, a.corrupt, a.vocab))
+    server.run(cfg, proposer=ReplayProposer(records, a.depth, a.corrupt, a.vocab, a.accept))
 
 
 if __name__ == "__main__":

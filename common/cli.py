@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ngram-max", type=int, help="longest suffix the n-gram proposer matches")
     d.add_argument("--ngram-min", type=int, help="shortest suffix the n-gram proposer matches")
     d.add_argument("--max-sequences", type=int, help="sequences whose state the draft keeps")
+    d.add_argument("--local-socket", metavar="auto|off|PATH",
+                   help="also serve the per-step stream on a Unix socket, which a verify "
+                        "service on this host uses instead of gRPC (default auto: an "
+                        "abstract socket on Linux; PATH or @name to share it across "
+                        "containers through a volume)")
     _add_runtime(d)
 
     v = sub.add_parser("verify", help="serve the Generation service (the Qwen3 target)")
@@ -83,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--prefill-tokens", type=int, help="prompt tokens admitted per iteration")
     v.add_argument("--step-deadline-ms", type=float, help="wait for a proposal, then plain decode")
     v.add_argument("--reconnect-s", type=float, help="retry period while the draft is down")
+    v.add_argument("--draft-socket", choices=["auto", "off"],
+                   help="carry draft steps over the draft's local socket when it can be "
+                        "reached (same host; default auto), else over the gRPC stream")
     v.add_argument("--step-mode", choices=["auto", "ragged", "fixed"],
                    help="verify step: fixed shapes (CUDA graphs on a GPU) or ragged "
                         "(default auto: fixed on CUDA)")
@@ -170,7 +178,7 @@ def draft_config(args: argparse.Namespace):
         env = envelope_from(args.envelope, args.depth, args.topk, args.nodes)
         cfg = DraftConfig(method=args.method, envelope=env, model=args.model,
                           **_fields(args, _RUNTIME + ("ngram_max", "ngram_min", "max_sequences",
-                                                      "target_embeddings")))
+                                                      "target_embeddings", "local_socket")))
         if cfg.method == "eagle3":
             from draft_service.eagle3_head import embedding_source
             embedding_source(resolve_model(cfg.model), cfg.target_embeddings)
@@ -186,7 +194,8 @@ def verify_config(args: argparse.Namespace):
     try:
         return VerifyConfig(model=args.model, draft=args.draft, **_fields(
             args, _RUNTIME + ("max_batch", "max_model_len", "prefill_tokens",
-                              "step_deadline_ms", "reconnect_s", "step_mode")))
+                              "step_deadline_ms", "reconnect_s", "step_mode",
+                              "draft_socket")))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

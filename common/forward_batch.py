@@ -37,6 +37,8 @@ class ForwardBatch:
     cu_q: torch.Tensor           # [B + 1] int32 query offsets
     chunk_parents: torch.Tensor  # [T] int32
     last: torch.Tensor           # [B] int64 index of each chunk's last query
+    # ops.tree_ancestors of equal-length tree chunks, when the caller computed it
+    ancestors: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -52,7 +52,8 @@ class Qwen3Layer(nn.Module):
         q = ops.qk_norm_rope_write(qkv, self.q_norm, self.k_norm, fb.positions, inv_freq,
                                    k_cache, v_cache, fb.slots, s.num_heads, s.num_kv_heads, eps)
         attn = ops.paged_tree_attention(q, k_cache, v_cache, fb.block_tables, fb.context_lens,
-                                        fb.cu_q, fb.chunk_parents, s.head_dim ** -0.5)
+                                        fb.cu_q, fb.chunk_parents, s.head_dim ** -0.5,
+                                        fb.ancestors)
         h, residual = ops.add_rms_norm(ops.linear(attn.reshape(x.shape[0], self.q_size),
                                                   self.o_proj.weight), residual, self.post_norm, eps)
         return ops.linear(ops.linear_silu_mul(h, self.gate_up.weight), self.down.weight), residual

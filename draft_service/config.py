@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from common import frames
 from common.service_config import ServiceConfig
 from common.tree import TreeEnvelope
 
@@ -22,6 +23,17 @@ class DraftConfig(ServiceConfig):
     ngram_max: int = 4                # longest suffix the n-gram proposer matches
     ngram_min: int = 1
     max_sequences: int = 256          # sequences whose state the draft keeps
+    # also serve Speculate on a Unix socket for a verify service on this host:
+    # auto (an abstract socket named after the instance, on Linux), off, or a path / @name
+    local_socket: str = "auto"
+
+    def local_address(self, instance_id: str) -> str | None:
+        """Where to serve the local socket, None for nowhere."""
+        if self.local_socket == "off":
+            return None
+        if self.local_socket == "auto":
+            return frames.auto_address(instance_id)
+        return self.local_socket
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -33,3 +45,6 @@ class DraftConfig(ServiceConfig):
             raise ValueError("need 1 <= ngram_min <= ngram_max")
         if self.max_sequences < 1:
             raise ValueError("max_sequences must be >= 1")
+        if self.local_socket in ("", "@"):
+            raise ValueError("--local-socket wants auto, off, a socket path or @name, "
+                             f"got {self.local_socket!r}")

@@ -12,30 +12,45 @@ from common.grpc_server import run_server, start_server
 from common.telemetry import DRAFT_SERVICE_NAME, tracer_provider_from_env
 from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine
+from draft_service.local_server import LocalServer
 from draft_service.observer import DraftObserver, combine
 from draft_service.proposer import Proposer
 from draft_service.servicer import DrafterServicer
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
+log = logging.getLogger("treespec.draft")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name   # "treespec.v1.Drafter"
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
 
+class DraftServer:
+    """The draft's gRPC server and its local-socket server (when on); stop() stops both."""
+
+    def __init__(self, server: grpc.aio.Server, local: LocalServer | None) -> None:
+        self.grpc = server
+        self.local = local
+
+    async def stop(self, grace: float | None) -> None:
+        if self.local is not None:
+            await self.local.close()
+        await self.grpc.stop(grace)
+
+
 async def start(cfg: DraftConfig, proposer: Proposer | None = None,
                 tracer_provider: TracerProvider | None = None
-                ) -> tuple[grpc.aio.Server, int, DraftEngine]:
+                ) -> tuple[DraftServer, int, DraftEngine]:
     """Build the engine (loading the draft model, if any) and start serving it.
 
-    Returns the started server, its bound port (cfg.port 0 = a free one) and the
+    Returns the started servers, the gRPC port (cfg.port 0 = a free one) and the
     engine, for in-process use; stop with ``await server.stop(grace)``, then
     ``engine.observer.close()`` (closes /metrics). Traces go to tracer_provider,
     by default the one the OTEL_* variables describe (none when tracing is off).
     """
     server, port, servicer = await _start(cfg, proposer, tracer_provider)
-    return server, port, servicer.engine
+    return DraftServer(server, servicer.local), port, servicer.engine
 
 
 def build_engine(cfg: DraftConfig, proposer: Proposer | None,
@@ -63,6 +78,15 @@ async def _start(cfg: DraftConfig, proposer: Proposer | None,
                  ) -> tuple[grpc.aio.Server, int, DrafterServicer]:
     servicer = DrafterServicer(build_engine(cfg, proposer, tracer_provider),
                                cfg.busy(pick_device(cfg.device).type))
+    address = cfg.local_address(servicer.instance_id)
+    if address is not None:     # before the gRPC server: GetInfo may advertise it at once
+        local = LocalServer(servicer, address)
+        try:
+            await local.start()
+        except OSError as e:
+            log.warning("no local socket at %s (%s): steps travel by gRPC only", address, e)
+        else:
+            servicer.local = local
     server, port = await start_server(
         cfg.host, cfg.port, lambda s: pb_grpc.add_DrafterServicer_to_server(servicer, s),
         [SERVICE_NAME])
@@ -81,8 +105,13 @@ def run(cfg: DraftConfig, proposer: Proposer | None = None) -> None:
         servicers.append(servicer)
         return server, port
 
+    async def on_stop() -> None:
+        for s in servicers:
+            if s.local is not None:
+                await s.local.close()
+
     try:
-        run_server(start_one, cfg.host)
+        run_server(start_one, cfg.host, on_stop)
     finally:
         for s in servicers:
             s.close()

@@ -21,15 +21,32 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import grpc
 
-from common import codec, wire
+from common import codec, frames, wire
 from common.aio import LoopSpinner
 from common.errors import InvalidRequest
 from draft_service.engine import DraftEngine
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from draft_service.local_server import LocalServer
+
+
+class StepOrder:
+    """Step ids must increase within one stream (on either carrier)."""
+
+    def __init__(self) -> None:
+        self.last: int | None = None
+
+    def check(self, step_id: int) -> None:
+        if self.last is not None and step_id <= self.last:
+            raise InvalidRequest(f"step_id {step_id} after {self.last}: step ids must "
+                                 "increase within a Speculate stream")
+        self.last = step_id
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
@@ -39,24 +56,32 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
         self._staging = codec.Staging()
         self._inline = bool(getattr(engine.proposer, "light", False))
+        self.instance_id = frames.new_instance_id()
+        self.local: LocalServer | None = None    # set by the server when it serves one
 
     async def GetInfo(self, request: pb.DrafterInfoRequest,
                       context: grpc.aio.ServicerContext) -> pb.DrafterInfo:
-        return wire.drafter_info_to_pb(self.engine.info)
+        info = wire.drafter_info_to_pb(self.engine.info)
+        info.instance_id = self.instance_id
+        if self.local is not None:
+            info.local_socket = self.local.address
+        return info
 
     async def Speculate(self, request_iterator: AsyncIterator[pb.SpeculateRequest],
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Proposal]:
-        loop = asyncio.get_running_loop()
-        last: int | None = None
+        order = StepOrder()
         async for msg in request_iterator:
-            if last is not None and msg.step_id <= last:
-                raise InvalidRequest(f"step_id {msg.step_id} after {last}: step ids must "
-                                     "increase within a Speculate stream")
-            last = msg.step_id
-            if self._spinner is not None:   # the next step's request is a forward away
-                self._spinner.keep_hot()
-            yield self._step(msg) if self._inline else \
-                await loop.run_in_executor(self._worker, self._step, msg)
+            order.check(msg.step_id)
+            yield await self.answer(msg)
+
+    async def answer(self, msg: pb.SpeculateRequest) -> pb.Proposal:
+        """One step of a Speculate stream, whichever carrier brought it (this gRPC
+        stream or draft_service.local_server's Unix socket)."""
+        if self._spinner is not None:   # the next step's request is a forward away
+            self._spinner.keep_hot()
+        if self._inline:
+            return self._step(msg)
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self._step, msg)
 
     def _step(self, msg: pb.SpeculateRequest) -> pb.Proposal:
         batch = self.engine.step(wire.spec_request_from_pb(msg))

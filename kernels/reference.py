@@ -65,16 +65,33 @@ def gather_slots(block_table: torch.Tensor, start: int, length: int, block_size:
     return block_table.long()[pos // block_size] * block_size + pos % block_size
 
 
+def tree_ancestors(chunk_parents: torch.Tensor) -> torch.Tensor:
+    """Each chunk query's ancestors as bit words: [B, T] parents -> [B * T, W] int64,
+    W = ceil(T / 64); bit k of word w is set when chunk key 64 * w + k is a strict,
+    non-padding ancestor of the query (padding queries have none). Computed once per
+    forward for fixed-shape trees, so attention need not walk parents in every layer."""
+    b, t = chunk_parents.shape
+    w = -(-t // 64)
+    dev = chunk_parents.device
+    eye = torch.eye(t, dtype=torch.bool, device=dev)
+    masks = torch.stack([chunk_mask(chunk_parents[i]) & ~eye for i in range(b)])  # [B, T, T]
+    masks = torch.nn.functional.pad(masks, (0, 64 * w - t)).view(b * t, w, 64).long()
+    weights = torch.ones(64, dtype=torch.int64, device=dev) << torch.arange(64, device=dev)
+    return (masks * weights).sum(-1)        # distinct bits: the sum is their OR
+
+
 def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor,
                          cu_q: torch.Tensor, chunk_parents: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, ancestors: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each chunk query over its sequence's context and chunk ancestors.
 
     q [total_q, q_heads, D]; caches [num_blocks, block_size, kv_heads, D] with the
     chunk's own K/V already written; block_tables [B, max_blocks] int32;
     context_lens [B]; cu_q [B + 1]; chunk_parents [total_q]. GQA: q head h reads
     kv head h // (q_heads // kv_heads). Returns [total_q, q_heads, D] in q's dtype.
+    ancestors: ``tree_ancestors`` of the chunks, when every chunk has the same length
+    (a speed hint for kernels; the parents alone define the result, so it is unused here).
     """
     out = torch.empty_like(q)
     bs = k_cache.shape[1]

@@ -11,6 +11,7 @@ from kernels.triton_accept import accept_greedy
 from kernels.triton_fused import add_rms_norm, qk_norm_rope_write, rms_norm, silu_mul
 from kernels.triton_kv import compact_kv, write_kv
 from kernels.triton_tree_attention import paged_tree_attention as _paged_tree_attention
+from kernels.triton_tree_attention import tree_ancestors
 
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -42,12 +43,12 @@ def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
 def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor,
                          cu_q: torch.Tensor, chunk_parents: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, ancestors: torch.Tensor | None = None) -> torch.Tensor:
     """See kernels.reference.paged_tree_attention."""
     return _paged_tree_attention(q, k_cache, v_cache, block_tables, context_lens, cu_q,
-                                 chunk_parents, scale)
+                                 chunk_parents, scale, ancestors)
 
 
-__all__ = ["write_kv", "paged_tree_attention", "accept_greedy", "compact_kv",
+__all__ = ["write_kv", "paged_tree_attention", "tree_ancestors", "accept_greedy", "compact_kv",
            "rms_norm", "add_rms_norm", "qk_norm_rope_write", "silu_mul", "linear",
            "linear_silu_mul"]

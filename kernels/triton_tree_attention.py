@@ -19,8 +19,10 @@ Design
   in registers from chunk_parents: if the chunk's prefix up to the tile's last
   query is a chain (prefill, decode, chain speculation) the mask is causal;
   otherwise, per window of CHUNK_N <= 64 keys, each query row's ancestors inside it
-  become an int64 bitmask by walking parents up (depth steps, parents stay in L1),
-  and key j is visible to row i iff j == i or bit (j - window) is set.
+  become an int64 bitmask, and key j is visible to row i iff j == i or bit
+  (j - window) is set. The bits come from ``ancestors`` (``tree_ancestors``, one
+  small kernel per forward for fixed-shape trees) when given, else by walking
+  parents up in every program (depth dependent loads per window and layer).
 * Online softmax in base 2 with fp32 statistics and accumulator; scores for fp32
   inputs use IEEE dot products (no TF32).
 * Split-K: with few programs (small batch, decode) the context is cut into
@@ -85,15 +87,60 @@ def _ancestor_bits(par_ptr, row_parent, w0, limit, WINDOW: tl.constexpr):
 
 
 @triton.jit
+def _tree_ancestors_kernel(par_ptr, out_ptr, t_len, W: tl.constexpr, BLOCK_W: tl.constexpr,
+                           BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    """One program per (chunk, BLOCK_R queries): walk each query's parents up once,
+    setting bit (a % 64) of word (a // 64) for every non-padding ancestor a."""
+    pdl_enter(PDL)
+    b = tl.program_id(0)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < t_len
+    par_chunk = par_ptr + b.to(tl.int64) * t_len
+    p = tl.load(par_chunk + r, mask=r_ok, other=-1)
+    w = tl.arange(0, BLOCK_W)
+    words = tl.full([BLOCK_R, BLOCK_W], 0, dtype=tl.int64)
+    one = tl.full([BLOCK_R], 1, dtype=tl.int64)
+    steps = t_len * 0
+    while (vmax(p, 0) >= 0) & (steps < t_len):
+        up = p >= 0
+        pp = tl.load(par_chunk + p, mask=up, other=-1)
+        hit = up & (pp != -2)
+        bit = tl.where(hit, one << (tl.where(up, p, 0) % 64).to(tl.int64), 0)
+        words = words | tl.where(w[None, :] == (p // 64)[:, None], bit[:, None], 0)
+        p = tl.where(up, pp, -1)
+        steps += 1
+    row = (b.to(tl.int64) * t_len + r)[:, None]
+    tl.store(out_ptr + row * W + w[None, :], words, mask=r_ok[:, None] & (w[None, :] < W))
+
+
+def tree_ancestors(chunk_parents: torch.Tensor) -> torch.Tensor:
+    """See kernels.reference.tree_ancestors."""
+    where = "tree_ancestors"
+    check_devices(_tree_ancestors_kernel, where, chunk_parents=chunk_parents)
+    check_dtype(where, "chunk_parents", chunk_parents, INDEX_DTYPES)
+    check_shape(where, "chunk_parents", chunk_parents, (None, None))
+    b, t = chunk_parents.shape
+    w = triton.cdiv(t, 64)
+    out = torch.empty((b * t, w), dtype=torch.int64, device=chunk_parents.device)
+    if b * t == 0:
+        return out
+    block_r = min(64, next_pow2(t))
+    _tree_ancestors_kernel[(b, triton.cdiv(t, block_r))](
+        chunk_parents.contiguous(), out, t, W=w, BLOCK_W=next_pow2(w), BLOCK_R=block_r,
+        num_warps=4, **launch_options(_tree_ancestors_kernel, chunk_parents.device))
+    return out
+
+
+@triton.jit
 def _tree_attention_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_ptr, par_ptr,
+        q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_ptr, par_ptr, anc_ptr,
         out_ptr, acc_ws, m_ws, l_ws,
-        num_seqs, total_q, num_q_heads, qk_scale, split_len,
+        num_seqs, total_q, num_q_heads, qk_scale, split_len, anc_words,
         s_qt, s_qh, s_ks, s_kh, s_vs, s_vh, s_bt, s_ot, s_oh,
         GROUP: tl.constexpr, BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CHUNK_N: tl.constexpr,
         D: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        PREC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        HAS_ANC: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -164,7 +211,11 @@ def _tree_attention_kernel(
             if not_chain == 0:
                 visible = jc[None, :] <= tok[:, None]
             else:
-                bits = _ancestor_bits(par_chunk, row_parent, n0, q_len, CHUNK_N)
+                if HAS_ANC:     # CHUNK_N divides 64: a window never straddles two words
+                    bits = tl.load(anc_ptr + qrow * anc_words + n0 // 64, mask=row_ok,
+                                   other=0) >> (n0 % 64)
+                else:
+                    bits = _ancestor_bits(par_chunk, row_parent, n0, q_len, CHUNK_N)
                 shift = (jc - n0).to(tl.int64)
                 visible = ((bits[:, None] >> shift[None, :]) & 1) != 0
                 visible = visible | (jc[None, :] == tok[:, None])
@@ -236,7 +287,8 @@ def _plan(total_q: int, num_seqs: int, group: int, kv_heads: int, max_ctx: int,
 def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor,
                          cu_q: torch.Tensor, chunk_parents: torch.Tensor, scale: float,
-                         *, num_splits: int | None = None, block_m: int | None = None,
+                         ancestors: torch.Tensor | None = None, *,
+                         num_splits: int | None = None, block_m: int | None = None,
                          block_n: int | None = None) -> torch.Tensor:
     """Attention of each chunk query over its sequence's context and chunk ancestors.
 
@@ -244,7 +296,8 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     chunk's K/V already written; block_tables [B, max_blocks]; context_lens [B];
     cu_q [B + 1]; chunk_parents [total_q]. D a power of two >= 16. Returns
     [total_q, q_heads, D] in q's dtype. The keyword arguments override the tiling
-    (tests use them to force splits and small tiles).
+    (tests use them to force splits and small tiles). ancestors: ``tree_ancestors``
+    of the chunks, all of one length (see kernels.reference.paged_tree_attention).
     """
     where = "paged_tree_attention"
     check_devices(_tree_attention_kernel, where, q=q, k_cache=k_cache, v_cache=v_cache,
@@ -276,6 +329,10 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             check_shape(where, name, t, (n,))
     if not math.isfinite(scale):
         raise ValueError(f"{where}: scale must be finite, got {scale}")
+    if ancestors is not None:
+        check_dtype(where, "ancestors", ancestors, (torch.int64,))
+        check_shape(where, "ancestors", ancestors, (total_q, None))
+        check_unit_last(where, "ancestors", ancestors)
     out = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)
     if total_q == 0 or nseq == 0:
         return out
@@ -296,12 +353,15 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     _tree_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, cu_q, chunk_parents,
+        chunk_parents if ancestors is None else ancestors,
         out, acc_ws, m_ws, l_ws,
         nseq, total_q, hq, scale * LOG2E, split_len,
+        0 if ancestors is None else ancestors.stride(0),
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BT=bt, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK_N=min(block_n, 64), D=d, BS=bs,
-        BLOCK_B=max(16, next_pow2(nseq)), NUM_SPLITS=splits, PREC=prec,
+        BLOCK_B=max(16, next_pow2(nseq)), NUM_SPLITS=splits, HAS_ANC=ancestors is not None,
+        PREC=prec,
         DOT_F32=interpreted(_tree_attention_kernel) and q.dtype == torch.bfloat16,
         num_warps=warps, **launch_options(_tree_attention_kernel, q.device))
     if splits > 1:
@@ -312,4 +372,4 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out
 
 
-__all__ = ["paged_tree_attention"]
+__all__ = ["paged_tree_attention", "tree_ancestors"]

@@ -35,7 +35,8 @@ TEST_DEADLINE_MS = 5000.0
 
 @contextlib.asynccontextmanager
 async def services(target: Path, method: str | None = None, draft_model: Path | None = None,
-                   envelope: str = "chain4", **verify_kw) -> AsyncIterator[dict]:
+                   envelope: str = "chain4", draft_kw: dict | None = None,
+                   **verify_kw) -> AsyncIterator[dict]:
     """Start a draft (unless method is None) and a verify service; yields their handles."""
     from draft_service import server as draft_server
     from verify_service import server as verify_server
@@ -44,7 +45,8 @@ async def services(target: Path, method: str | None = None, draft_model: Path | 
     draft = None
     if method is not None:
         dcfg = DraftConfig(method=method, envelope=envelope_from(envelope),
-                           model=str(draft_model) if draft_model else None, device="cpu")
+                           model=str(draft_model) if draft_model else None, device="cpu",
+                           **(draft_kw or {}))
         draft, dport, handles["draft_engine"] = await draft_server.start(dcfg)
         handles["draft_addr"] = f"127.0.0.1:{dport}"
         handles["draft_server"] = draft

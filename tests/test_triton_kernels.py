@@ -189,6 +189,45 @@ def test_attention_long_tree_walks_several_windows(block_n):
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
 
+def _equal_trees(b: int, t: int, g: torch.Generator) -> torch.Tensor:
+    """[B, T] chunk parents of equal-length trees, one all padding past its root."""
+    rows = [as_chunk(random_tree(t - 1, g, pad=(t - 1) // 3 if i % 2 else 0)) for i in range(b)]
+    rows[-1] = [-1] + [-2] * (t - 1)
+    return i32(rows)
+
+
+@pytest.mark.parametrize("b, t", [(3, 9), (2, 70)])
+def test_tree_ancestors_vs_reference(b, t):
+    par = _equal_trees(b, t, torch.Generator().manual_seed(t))
+    got = attn_mod.tree_ancestors(par)
+    want = ref.tree_ancestors(par)
+    assert got.shape == (b * t, -(-t // 64)) and torch.equal(got, want)
+    # bit k of word w: key 64w + k is a strict ancestor (the reference's own mask)
+    mask = ref.chunk_mask(par[0]) & ~torch.eye(t, dtype=torch.bool, device=DEV)
+    bits = torch.stack([(want[:t, j // 64] >> (j % 64)) & 1 for j in range(t)], 1).bool()
+    assert torch.equal(bits, mask)
+
+
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_attention_with_precomputed_ancestors(block_n):
+    """Equal-length trees (as a fixed-shape verify step has) with the ancestor words
+    given: the same result as walking parents, and as the reference."""
+    g = torch.Generator().manual_seed(11)
+    b, t = 3, 70
+    par2 = _equal_trees(b, t, g)
+    chunks = par2.tolist()
+    nb, table, ctx, cu, par = build_batch(chunks, [5, 9, 2], 4, 1, g)
+    kc, vc = paged(nb, 4, 1, 16)
+    q = torch.randn(int(cu[-1]), 2, 16, generator=g).to(DEV)
+    anc = attn_mod.tree_ancestors(par2)
+    kw = dict(block_m=32, block_n=block_n, num_splits=2)
+    out = attn_mod.paged_tree_attention(q, kc, vc, table, ctx, cu, par, 0.3, anc, **kw)
+    walked = attn_mod.paged_tree_attention(q, kc, vc, table, ctx, cu, par, 0.3, **kw)
+    want = ref.paged_tree_attention(q, kc, vc, table, ctx, cu, par, 0.3, anc)
+    torch.testing.assert_close(out, walked, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
 def test_backend_default_tiling():
     g = torch.Generator().manual_seed(3)
     chunks = [as_chunk(random_tree(12, g)), as_chunk(random_tree(12, g, pad=4))]
@@ -298,6 +337,11 @@ def test_launchers_reject_bad_arguments():
         tb.paged_tree_attention(q, kc, vc, args[0], args[1], i32([0, 1, 3]), args[3], 1.0)
     with pytest.raises(ValueError, match="pages must be dense"):
         tb.paged_tree_attention(q, kc[:, :2], vc[:, :2], *args, 1.0)
+    with pytest.raises(ValueError, match="ancestors"):
+        tb.paged_tree_attention(q, kc, vc, *args, 1.0, torch.zeros(1, 1, dtype=torch.int32,
+                                                                   device=DEV))
+    with pytest.raises(ValueError, match="chunk_parents"):
+        tb.tree_ancestors(torch.zeros(2, 3, device=DEV))
     with pytest.raises(ValueError, match="target_ids"):
         tb.accept_greedy(i32([[1, 2]]), i32([[-1, 0]]), i32([[1, 2]]), 2)
     with pytest.raises(ValueError, match="differ"):

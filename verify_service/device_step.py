@@ -37,6 +37,8 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
     fb = device_forward_batch(torch.cat([roots.long().unsqueeze(1), tokens.long()], 1),
                               chunk_parents, depths, context_lens, block_tables,
                               cache.block_size)
+    if n:        # each layer's attention reads these instead of walking parents up
+        fb.ancestors = ops.tree_ancestors(chunk_parents)
     hidden, captured = model(fb, cache, ops, capture)
     target_ids = model.greedy(hidden, ops).view(b, t)                    # [B, T]
     accepted, num, bonus = ops.accept_greedy(tokens, parents, target_ids, depth)

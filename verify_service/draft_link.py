@@ -1,5 +1,10 @@
 """The verify service's end of the Speculate stream: one bidi stream to the draft.
 
+The stream is a gRPC bidi call, or, when the draft advertises a local socket that
+this process can reach and that greets with the draft's instance id, the same
+messages framed on that Unix socket (common/frames.py: no gRPC thread wakes up on
+the hop; ``local=False`` or ``--draft-socket off`` keeps gRPC).
+
 The link hands the engine a proposal for a step or None, never an exception: a
 draft that is absent, late, busy or broken only turns that step into plain decode
 (the reason is returned for the step's stats). It reconnects in the background,
@@ -14,7 +19,7 @@ from typing import Literal
 
 import grpc
 
-from common import codec, wire
+from common import codec, frames, wire
 from common.aio import cancel_and_wait, spin_until
 from common.spec_types import DrafterInfo, SpecRequest, TreeBatch
 from protos.treespec.v1 import treespec_pb2 as pb
@@ -33,14 +38,14 @@ def _settle(fut: asyncio.Future, value: object) -> None:
 
 class DraftLink:
     def __init__(self, addr: str, reconnect_s: float, vocab_size: int, num_layers: int,
-                 busy_poll: bool = False) -> None:
+                 busy_poll: bool = False, local: bool = True) -> None:
         self.addr = addr
         self.reconnect_s = reconnect_s
         self.vocab_size = vocab_size
         self.num_layers = num_layers
         self.info: DrafterInfo | None = None
         self.epoch = 0
-        self._call: grpc.aio.StreamStreamCall | None = None
+        self._call: grpc.aio.StreamStreamCall | frames.FrameStream | None = None
         self._channel: grpc.aio.Channel | None = None
         self._outstanding: int | None = None   # step id still unanswered
         self._waiter: asyncio.Future | None = None   # propose() waiting for that answer
@@ -48,6 +53,8 @@ class DraftLink:
         self._staging = codec.Staging()
         self._closed = False
         self.busy_poll = busy_poll      # poll for the answer on the loop, never sleep
+        self.local = local              # try the draft's local socket first
+        self.carrier = ""               # "unix socket" or "grpc" while connected
 
     @property
     def ready(self) -> bool:
@@ -64,6 +71,7 @@ class DraftLink:
     async def _drop(self) -> None:
         call, channel = self._call, self._channel
         self._call = self._channel = None
+        self.carrier = ""
         self._outstanding = None
         self._wake(_DROPPED)
         if call is not None:
@@ -87,7 +95,8 @@ class DraftLink:
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.max_receive_message_length", 64 << 20)])
         stub = pb_grpc.DrafterStub(self._channel)
-        info = wire.drafter_info_from_pb(await stub.GetInfo(pb.DrafterInfoRequest(), timeout=10))
+        info_pb = await stub.GetInfo(pb.DrafterInfoRequest(), timeout=10)
+        info = wire.drafter_info_from_pb(info_pb)
         if info.vocab_size > self.vocab_size:
             raise RuntimeError(f"draft vocabulary {info.vocab_size} exceeds the target's "
                                f"{self.vocab_size}; not using this draft")
@@ -96,12 +105,26 @@ class DraftLink:
             raise RuntimeError(f"draft wants hidden states of target layers {bad}, but the "
                                f"target has layers 0..{self.num_layers}; not using this draft")
         self.info = info
-        self._call = stub.Speculate()
+        self._call = await self._open_local(info_pb) or stub.Speculate()
+        self.carrier = "unix socket" if isinstance(self._call, frames.FrameStream) else "grpc"
         self.epoch += 1
-        log.info("draft %s connected: %s, envelope %s", self.addr, info.proposer, info.envelope)
+        log.info("draft %s connected: %s, envelope %s, steps by %s", self.addr, info.proposer,
+                 info.envelope, self.carrier)
         async for msg in self._call:
             self._deliver(msg)
         raise RuntimeError("draft closed the Speculate stream")
+
+    async def _open_local(self, info: pb.DrafterInfo) -> frames.FrameStream | None:
+        """The draft's local socket, when it advertises one and it answers as that draft."""
+        if not (self.local and info.local_socket and info.instance_id):
+            return None
+        try:
+            return await frames.FrameStream.open(info.local_socket, info.instance_id,
+                                                 pb.Proposal.FromString)
+        except (OSError, asyncio.TimeoutError, frames.FrameError) as e:
+            log.info("draft's local socket %s not usable here (%s): steps by gRPC",
+                     info.local_socket, e)
+            return None
 
     def _deliver(self, msg: pb.Proposal) -> None:
         """Hand the awaited answer to propose(); a late answer to a step that already

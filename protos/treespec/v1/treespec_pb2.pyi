@@ -129,18 +129,22 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("envelope", "vocab_size", "proposer", "target_hidden_layers", "model")
+    __slots__ = ("envelope", "vocab_size", "proposer", "target_hidden_layers", "model", "local_socket", "instance_id")
     ENVELOPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     TARGET_HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     envelope: TreeEnvelope
     vocab_size: int
     proposer: str
     target_hidden_layers: _containers.RepeatedScalarFieldContainer[int]
     model: str
-    def __init__(self, envelope: _Optional[_Union[TreeEnvelope, _Mapping]] = ..., vocab_size: _Optional[int] = ..., proposer: _Optional[str] = ..., target_hidden_layers: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ...) -> None: ...
+    local_socket: str
+    instance_id: str
+    def __init__(self, envelope: _Optional[_Union[TreeEnvelope, _Mapping]] = ..., vocab_size: _Optional[int] = ..., proposer: _Optional[str] = ..., target_hidden_layers: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., local_socket: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
     __slots__ = ("seq_id", "committed_len", "new_tokens", "full", "accepted_nodes", "accepted_step_id", "hidden_states")

@@ -1,0 +1,77 @@
+"""Tree attention alone at the Qwen3-8B head shape, on the GPU: per-layer µs by tree
+size, for the parents walk against precomputed ancestor words, and for a few tilings.
+
+    python bench/attention_probe.py --out FILE [--ctx 1024] [--nodes 0,4,16,64]
+
+Each figure is one call's device time inside a CUDA graph of 36 calls (one per layer
+of the model), so launch gaps count as they do in a verify step. Random q/k/v, one
+sequence, random trees no deeper than 8 (bench/inproc_bench.random_trees). This is for
+choosing the kernel's plan; bench/h200.py's verify_ms is the figure that counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.inproc_bench import cuda_ms, random_trees  # noqa: E402
+from common.tree import verify_chunk_layout  # noqa: E402
+from kernels.triton_tree_attention import _plan, paged_tree_attention, tree_ancestors  # noqa: E402
+
+LAYERS, HQ, HKV, D, BS = 36, 32, 8, 128, 16
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--nodes", default="0,4,16,64")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    pages = -(-(a.ctx + 80) // BS) + 1
+    kc = torch.randn(pages, BS, HKV, D, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(pages, generator=g)[:pages - 1].to(dev, torch.int32).unsqueeze(0)
+    ctx = torch.tensor([a.ctx], device=dev, dtype=torch.int32)
+    res: dict = {"ctx": a.ctx, "sms": torch.cuda.get_device_properties(dev).multi_processor_count}
+    for n in (int(x) for x in a.nodes.split(",")):
+        t = n + 1
+        node_par = random_trees(1, n, min(n, 8), g) if n else torch.zeros(1, 0, dtype=torch.int32)
+        chunk_par, _ = verify_chunk_layout(node_par)
+        chunk_par = chunk_par.to(dev, torch.int32)
+        cu = torch.tensor([0, t], device=dev, dtype=torch.int32)
+        q = torch.randn(t, HQ, D, device=dev, dtype=torch.bfloat16)
+        flat = chunk_par.reshape(-1)
+        anc = tree_ancestors(chunk_par)
+        default = _plan(t, 1, HQ // HKV, HKV, table.shape[1] * BS, dev, None, None, None)
+        row = {"default_plan": default[:3]}
+        for use_anc, block_m, splits in itertools.product(
+                (False, True), (None, 64, 128), (None, 2, 4, 8, 12)):
+            if use_anc and n == 0:
+                continue
+            kw = {"block_m": block_m, "num_splits": splits}
+
+            def call() -> None:
+                paged_tree_attention(q, kc, vc, table, ctx, cu, flat, D ** -0.5,
+                                     anc if use_anc else None, **kw)
+            key = f"{'anc' if use_anc else 'walk'}_m{block_m or 'auto'}_s{splits or 'auto'}"
+            row[key] = 1000 * cuda_ms(call, LAYERS)
+        row["ancestors_us"] = 1000 * cuda_ms(lambda: tree_ancestors(chunk_par), 10)
+        best = min((k for k in row if k.startswith(("walk", "anc"))), key=row.get)
+        row["best"] = best
+        res[str(n)] = row
+        print(n, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()},
+              flush=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
