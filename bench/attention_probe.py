@@ -5,7 +5,9 @@ size, for the parents walk against precomputed ancestor words, and for a few til
 
 Each figure is one call's device time inside a CUDA graph of 36 calls (one per layer
 of the model), so launch gaps count as they do in a verify step. Random q/k/v, one
-sequence, random trees no deeper than 8 (bench/inproc_bench.random_trees). This is for
+sequence, random trees no deeper than 8 (bench/inproc_bench.random_trees); the page
+table is as wide as the verify step's page bucket (the next power of two of the
+pages in use, the rest pointing at a scratch page), as in a captured step. This is for
 choosing the kernel's plan; bench/h200.py's verify_ms is the figure that counts.
 """
 
@@ -36,12 +38,15 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
-    pages = -(-(a.ctx + 80) // BS) + 1
-    kc = torch.randn(pages, BS, HKV, D, device=dev, dtype=torch.bfloat16)
+    live = -(-(a.ctx + 80) // BS)
+    width = 1 << (live - 1).bit_length()                     # the page bucket
+    kc = torch.randn(live + 1, BS, HKV, D, device=dev, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
-    table = torch.randperm(pages, generator=g)[:pages - 1].to(dev, torch.int32).unsqueeze(0)
+    table = torch.full((1, width), live, dtype=torch.int32)  # page `live`: scratch
+    table[0, :live] = torch.randperm(live, generator=g).to(torch.int32)
+    table = table.to(dev)
     ctx = torch.tensor([a.ctx], device=dev, dtype=torch.int32)
-    res: dict = {"ctx": a.ctx, "sms": torch.cuda.get_device_properties(dev).multi_processor_count}
+    res: dict = {"ctx": a.ctx, "table_width": width, "sms": torch.cuda.get_device_properties(dev).multi_processor_count}
     for n in (int(x) for x in a.nodes.split(",")):
         t = n + 1
         node_par = random_trees(1, n, min(n, 8), g) if n else torch.zeros(1, 0, dtype=torch.int32)
@@ -54,7 +59,7 @@ def main() -> None:
         default = _plan(t, 1, HQ // HKV, HKV, table.shape[1] * BS, dev, None, None, None)
         row = {"default_plan": default[:3]}
         for use_anc, block_m, splits in itertools.product(
-                (False, True), (None, 64, 128), (None, 2, 4, 8, 12)):
+                (False, True), (None, 64, 128), (None, 3, 5, 9, 17)):
             if use_anc and n == 0:
                 continue
             kw = {"block_m": block_m, "num_splits": splits}
@@ -64,8 +69,8 @@ def main() -> None:
                                      anc if use_anc else None, **kw)
             key = f"{'anc' if use_anc else 'walk'}_m{block_m or 'auto'}_s{splits or 'auto'}"
             row[key] = 1000 * cuda_ms(call, LAYERS)
+        best = min((k for k in row if k.startswith(("walk_", "anc_"))), key=row.get)
         row["ancestors_us"] = 1000 * cuda_ms(lambda: tree_ancestors(chunk_par), 10)
-        best = min((k for k in row if k.startswith(("walk", "anc"))), key=row.get)
         row["best"] = best
         res[str(n)] = row
         print(n, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()},

@@ -25,9 +25,11 @@ Design
   parents up in every program (depth dependent loads per window and layer).
 * Online softmax in base 2 with fp32 statistics and accumulator; scores for fp32
   inputs use IEEE dot products (no TF32).
-* Split-K: with few programs (small batch, decode) the context is cut into
-  NUM_SPLITS ranges; each writes an unnormalised partial (acc, max, sum) and a small
-  kernel combines them. The chunk keys belong to the last split.
+* Split-K: with few programs (small batch, decode) the work is cut into NUM_SPLITS
+  parts; each writes an unnormalised partial (acc, max, sum) and a small kernel
+  combines them. The last part is the chunk keys (a 64-node tree's ancestor windows
+  cost as much as a context span); the others cut the context, on the device, from
+  each sequence's own length into at most NUM_SPLITS - 1 spans of >= MIN_SPLIT keys.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from kernels.triton_common import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, ch
                                    next_pow2, pdl_enter, vcumsum, vmax, vsum)
 
 LOG2E = 1.4426950408889634
+MIN_SPLIT_KEYS = 128    # a context split shorter than this never paid for its partials
 
 
 @triton.jit
@@ -135,12 +138,12 @@ def tree_ancestors(chunk_parents: torch.Tensor) -> torch.Tensor:
 def _tree_attention_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_ptr, par_ptr, anc_ptr,
         out_ptr, acc_ws, m_ws, l_ws,
-        num_seqs, total_q, num_q_heads, qk_scale, split_len, anc_words,
+        num_seqs, total_q, num_q_heads, qk_scale, anc_words,
         s_qt, s_qh, s_ks, s_kh, s_vs, s_vh, s_bt, s_ot, s_oh,
         GROUP: tl.constexpr, BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CHUNK_N: tl.constexpr,
         D: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        HAS_ANC: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        MIN_SPLIT: tl.constexpr, HAS_ANC: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -179,8 +182,18 @@ def _tree_attention_kernel(
     v_base = v_ptr + kvh.to(tl.int64) * s_vh
 
     # committed context: every key visible to every non-padding row
-    c_lo = split * split_len
-    c_hi = tl.minimum(ctx, c_lo + split_len)
+    if NUM_SPLITS == 1:
+        c_lo = ctx * 0
+        c_hi = ctx
+    else:
+        # the last split takes the chunk keys alone; the others share the context, cut
+        # here from this sequence's own length (the page bucket the host planned with
+        # can be twice the live context) into spans of >= MIN_SPLIT keys
+        ctx_splits = tl.minimum(NUM_SPLITS - 1, tl.maximum(1, (ctx + MIN_SPLIT - 1) // MIN_SPLIT))
+        blocks = (ctx + BLOCK_N - 1) // BLOCK_N
+        span = (blocks + ctx_splits - 1) // ctx_splits * BLOCK_N
+        c_lo = split * span
+        c_hi = tl.where(split < ctx_splits, tl.minimum(ctx, c_lo + span), c_lo)
     for n0 in range(c_lo, c_hi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         j_ok = j < c_hi
@@ -279,7 +292,7 @@ def _plan(total_q: int, num_seqs: int, group: int, kv_heads: int, max_ctx: int,
         # keys, and partials cost traffic); splits shorter than 128 keys never paid.
         per_sm = 2 if rows_per_chunk <= 16 else 1
         want = (per_sm * _num_sms(device)) // max(1, tiles * kv_heads)
-        num_splits = max(1, min(want, triton.cdiv(max_ctx, 128), 16))
+        num_splits = max(1, min(want, triton.cdiv(max_ctx, MIN_SPLIT_KEYS) + 1, 17))
     num_warps = 8 if block_m >= 128 else 4
     return block_m, block_n, num_splits, num_warps
 
@@ -342,7 +355,6 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                                             q.device, num_splits, block_m, block_n)
     bt = block_m // group
     max_ctx = block_tables.shape[1] * bs
-    split_len = triton.cdiv(triton.cdiv(max_ctx, splits), block_n) * block_n
     grid = (min(total_q, triton.cdiv(total_q, bt) + nseq - 1), hkv, splits)
     if splits > 1:
         acc_ws = torch.empty((splits, total_q, hq, d), dtype=torch.float32, device=q.device)
@@ -355,12 +367,13 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         q, k_cache, v_cache, block_tables, context_lens, cu_q, chunk_parents,
         chunk_parents if ancestors is None else ancestors,
         out, acc_ws, m_ws, l_ws,
-        nseq, total_q, hq, scale * LOG2E, split_len,
+        nseq, total_q, hq, scale * LOG2E,
         0 if ancestors is None else ancestors.stride(0),
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BT=bt, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK_N=min(block_n, 64), D=d, BS=bs,
-        BLOCK_B=max(16, next_pow2(nseq)), NUM_SPLITS=splits, HAS_ANC=ancestors is not None,
+        BLOCK_B=max(16, next_pow2(nseq)), NUM_SPLITS=splits, MIN_SPLIT=MIN_SPLIT_KEYS,
+        HAS_ANC=ancestors is not None,
         PREC=prec,
         DOT_F32=interpreted(_tree_attention_kernel) and q.dtype == torch.bfloat16,
         num_warps=warps, **launch_options(_tree_attention_kernel, q.device))

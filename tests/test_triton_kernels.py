@@ -228,6 +228,23 @@ def test_attention_with_precomputed_ancestors(block_n):
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
 
+def test_attention_splits_cut_each_live_context():
+    """Context spans come from each sequence's own length, not the table's width (a
+    page bucket can be twice the live context): 3, 2 and 1 spans of >= 128 keys,
+    then the chunk's own split, all combined as the reference says."""
+    g = torch.Generator().manual_seed(13)
+    chunks = [as_chunk(random_tree(6, g)), list(range(-1, 3)), [-1]]
+    ctxs = [300, 140, 7]
+    nb, table, ctx, cu, par = build_batch(chunks, ctxs, 16, 2, g)
+    wide = torch.cat([table, table[:, -1:].expand(-1, table.shape[1])], 1).contiguous()
+    kc, vc = paged(nb, 16, 1, 16)
+    q = torch.randn(int(cu[-1]), 2, 16, generator=g).to(DEV)
+    out = attn_mod.paged_tree_attention(q, kc, vc, wide, ctx, cu, par, 0.25, num_splits=4,
+                                        block_m=16, block_n=32)
+    want = ref.paged_tree_attention(q, kc, vc, table, ctx, cu, par, 0.25)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
 def test_backend_default_tiling():
     g = torch.Generator().manual_seed(3)
     chunks = [as_chunk(random_tree(12, g)), as_chunk(random_tree(12, g, pad=4))]
