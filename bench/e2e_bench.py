@@ -54,6 +54,7 @@ async def _batch(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: 
 
 
 STEP_PARTS = {"step": "treespec:step_seconds", "hop": "treespec:draft_hop_seconds",
+              "hop_wait": "treespec:draft_hop_wait_seconds",
               "verify": "treespec:verify_forward_seconds"}
 
 
@@ -225,7 +226,8 @@ def model_phase(target: str, draft: str, device: str, draft_device: str,
 
 def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
             batches: list[int], drafting: tuple[str, ...], work: Path,
-            placement: str = "same", ab_busy_poll: bool = False, ab_grpc: bool = False) -> dict:
+            placement: str = "same", ab_busy_poll: bool = False, ab_grpc: bool = False,
+            ab_draft_sleep: bool = False) -> dict:
     """prompts: at least sum(batches); each batch size gets its own prompts, so each
     replay reference is recorded at the batch shape it is replayed at. drafting: the
     replay instrument's --accept / --corrupt flags. ab_busy_poll: also the first batch
@@ -259,13 +261,17 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     # 3. replay instrument (chain of 4) at the set tokens per step.
     replay_phase(target, device, work, "replay", drafting, sets, max_tokens, refs, plain, res,
                  hop=True)
-    if ab_grpc:
+    for on, suffix, draft_extra, verify_extra in (
+            (ab_grpc, "grpc", (), ("--draft-socket", "off")),
+            (ab_draft_sleep, "draftsleep", ("--busy-poll", "off"), ())):
+        if not on:
+            continue
         b = batches[0]
-        by_grpc: dict = {}
+        variant: dict = {}
         replay_phase(target, device, work, "replay", drafting, {b: sets[b]}, max_tokens,
-                     {b: refs[b]}, {b: plain[b]}, by_grpc,
-                     verify_extra=("--draft-socket", "off"))
-        res.update({f"{k}_grpc": v for k, v in by_grpc.items()})
+                     {b: refs[b]}, {b: plain[b]}, variant, draft_extra=draft_extra,
+                     verify_extra=verify_extra)
+        res.update({f"{k}_{suffix}": v for k, v in variant.items()})
     if ab_busy_poll:
         b = batches[0]
         off = ("--busy-poll", "off")

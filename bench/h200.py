@@ -62,6 +62,9 @@ def main() -> None:
     ap.add_argument("--ab-grpc", action="store_true",
                     help="also run replay at the first batch size with draft steps on the "
                          "gRPC stream instead of the draft's local socket")
+    ap.add_argument("--ab-draft-sleep", action="store_true",
+                    help="also run replay at the first batch size with only the draft's busy "
+                         "polling off")
     ap.add_argument("--replay", default="exact", choices=["exact", "random"],
                     help="4 tokens per step from the replay instrument: exactly (3 correct "
                          "drafted tokens of 4 every step) or on average (random corruption)")
@@ -143,7 +146,8 @@ def main() -> None:
             ("--corrupt", str(corrupt_for(4.0, 4)))
         out["replay_drafting"] = " ".join(drafting)
         r = run_e2e(str(target_dir), str(draft_dir), a.device, prompts, a.max_tokens,
-                    batches, drafting, work, a.placement, a.ab_busy_poll, a.ab_grpc)
+                    batches, drafting, work, a.placement, a.ab_busy_poll, a.ab_grpc,
+                    a.ab_draft_sleep)
         out["e2e"] = r
         out["oracle4_tok_s"] = r["replay_b1"]["tok_s"]
         out["oracle4_tokens_per_step"] = r["replay_b1"]["tokens_per_step"]

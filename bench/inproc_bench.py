@@ -105,8 +105,9 @@ def random_trees(b: int, n: int, depth: int, g: torch.Generator) -> torch.Tensor
 
 
 def verify_latency_ms(model: Qwen3Model, ctx: int, batches: list[int], nodes: list[int],
-                      iters: int = 20, kernels: str = "auto") -> dict[str, dict[str, float]]:
-    """Mean wall ms of one verify step (host prep + replay + readback) at each (B, N).
+                      iters: int = 30, kernels: str = "auto") -> dict[str, dict[str, float]]:
+    """Median wall ms of one verify step (host prep + replay + readback) at each (B, N)
+    (the median: one host hiccup among the iterations moves a mean by tenths of a ms).
 
     Every sequence has ctx committed tokens; trees are random (nothing is accepted
     beyond chance), and each step's kv_len is rewound so ctx stays fixed.
@@ -135,7 +136,7 @@ def verify_latency_ms(model: Qwen3Model, ctx: int, batches: list[int], nodes: li
                 times.append(time.perf_counter() - t0)
                 for p in pages:
                     p.kv_len = ctx
-            out.setdefault(str(b), {})[str(n)] = 1000 * sum(times[3:]) / iters
+            out.setdefault(str(b), {})[str(n)] = 1000 * sorted(times[3:])[iters // 2]
             print(f"verify B={b} N={n}: {out[str(b)][str(n)]:.2f} ms", flush=True)
         for p in pages:
             cache.release(p)

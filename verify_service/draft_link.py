@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Literal
 
 import grpc
@@ -55,6 +56,8 @@ class DraftLink:
         self.busy_poll = busy_poll      # poll for the answer on the loop, never sleep
         self.local = local              # try the draft's local socket first
         self.carrier = ""               # "unix socket" or "grpc" while connected
+        self.wait_ns = 0                # last answered step: request written -> answer read
+        self._t_answer = 0
 
     @property
     def ready(self) -> bool:
@@ -132,6 +135,7 @@ class DraftLink:
         if msg.step_id != self._outstanding:
             return
         if self._waiter is not None and not self._waiter.done():
+            self._t_answer = time.time_ns()
             self._waiter.set_result(msg)
         else:
             self._outstanding = None
@@ -146,6 +150,7 @@ class DraftLink:
 
         One future per step, completed by the stream reader, by a timer at the
         deadline or by a dropped connection: no queue and no extra task per step."""
+        self.wait_ns = 0
         if not self.ready:
             return "disconnected"
         if self._outstanding is not None:
@@ -156,6 +161,7 @@ class DraftLink:
         timer = loop.call_later(timeout_s, _settle, waiter, _EXPIRED)
         try:
             await self._call.write(wire.spec_request_to_pb(req, self._staging))
+            t_sent = time.time_ns()
             if self.busy_poll:
                 await spin_until(waiter.done)
             msg = await waiter
@@ -171,6 +177,7 @@ class DraftLink:
         if msg is _DROPPED:
             return "disconnected"
         self._outstanding = None
+        self.wait_ns = self._t_answer - t_sent
         try:
             return wire.tree_batch_from_pb(msg)
         except codec.CodecError as e:

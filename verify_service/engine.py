@@ -272,7 +272,8 @@ class VerifyEngine:
             fallback=[(reason or "empty_tree") if s.speculative and d == 0 else None
                       for s, d, *_ in rows],
             reason=reason, envelope=self.link.info.envelope if tree is not None else None,
-            t_start=t0, t_drafted=t1, t_verified=t2, t_end=time.time_ns()))
+            t_start=t0, t_drafted=t1, t_verified=t2, t_end=time.time_ns(),
+            hop_wait_ns=self.link.wait_ns if asked and self.link is not None else 0))
         for s in seqs:
             if s.finish is not None:
                 self.observer.finished(s)

@@ -21,6 +21,7 @@ treespec's own (vLLM has none of these):
                                                  while speculating (= fallback_steps)
     treespec:sequence_steps                      decode steps summed over sequences (= steps)
     treespec:draft_hop_seconds                   Speculate round trip (send, draft, receive)
+    treespec:draft_hop_wait_seconds              of it: request written -> answer read
     treespec:verify_forward_seconds              target forward + accept walk + KV commit
     treespec:step_seconds / treespec:prefill_seconds   whole engine iterations
     treespec:kv_pages_used / treespec:kv_pages_free    gauges
@@ -80,6 +81,9 @@ class VerifyMetrics:
         self.sequence_steps = counter("treespec:sequence_steps",
                                       "Decode steps summed over sequences.")
         self.hop = seconds("treespec:draft_hop_seconds", "Speculate round trip per step.")
+        self.hop_wait = seconds("treespec:draft_hop_wait_seconds",
+                                "Of the round trip: request written to answer read (the "
+                                "carrier and the draft).")
         self.verify = seconds("treespec:verify_forward_seconds",
                               "Target forward, accept walk and KV commit per step.")
         self.step = seconds("treespec:step_seconds", "Whole decode step.")
@@ -125,6 +129,8 @@ class VerifyMetrics:
     def step_finished(self, r: StepRecord) -> None:
         if r.step_id:
             self.hop.observe((r.t_drafted - r.t_start) * _NS)
+            if r.hop_wait_ns:
+                self.hop_wait.observe(r.hop_wait_ns * _NS)
         self.verify.observe((r.t_verified - r.t_drafted) * _NS)
         self.step.observe((r.t_end - r.t_start) * _NS)
         self.sequence_steps.inc(len(r.seq_ids))

@@ -64,6 +64,8 @@ class StepRecord:
     t_drafted: int                   # proposal in hand (== t_start when not asked)
     t_verified: int                  # target forward, accept walk and KV commit done
     t_end: int                       # tokens committed and queued to their clients
+    hop_wait_ns: int = 0             # of the hop: request written -> answer read (carrier and
+                                     # draft; the rest is this service's encode, decode, checks)
 
 
 class EngineObserver(Protocol):
