@@ -54,6 +54,7 @@ async def _batch(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: 
 
 
 STEP_PARTS = {"step": "treespec:step_seconds", "hop": "treespec:draft_hop_seconds",
+              "hop_send": "treespec:draft_hop_send_seconds",
               "hop_wait": "treespec:draft_hop_wait_seconds",
               "verify": "treespec:verify_forward_seconds"}
 

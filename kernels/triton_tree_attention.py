@@ -290,9 +290,13 @@ def _plan(total_q: int, num_seqs: int, group: int, kv_heads: int, max_ctx: int,
         # Measured on an H200 under CUDA graphs (Qwen3-8B heads, ctx 1024): decode wants
         # ~2 programs per SM, tree chunks ~1 (their last split also carries the chunk
         # keys, and partials cost traffic); splits shorter than 128 keys never paid.
+        # max_ctx is the page table's width: in a captured step, the page bucket, up to
+        # twice the live context, so plan for half of it (the spans are cut on the
+        # device from the live length; attention_probe: 9 splits beat 17 by 1-2 µs a
+        # layer for decode and 4-node trees at ctx 1024 in a 2048-slot bucket).
         per_sm = 2 if rows_per_chunk <= 16 else 1
         want = (per_sm * _num_sms(device)) // max(1, tiles * kv_heads)
-        num_splits = max(1, min(want, triton.cdiv(max_ctx, MIN_SPLIT_KEYS) + 1, 17))
+        num_splits = max(1, min(want, triton.cdiv(max_ctx, 2 * MIN_SPLIT_KEYS) + 1, 17))
     num_warps = 8 if block_m >= 128 else 4
     return block_m, block_n, num_splits, num_warps
 

@@ -77,6 +77,8 @@ def test_metrics_equal_generate_json_stats(stack):
     assert 0 < value(v, "treespec:draft_hop_wait_seconds_sum") < \
         value(v, "treespec:draft_hop_seconds_sum")
     assert value(v, "treespec:draft_hop_wait_seconds_count") == drafts
+    assert 0 < value(v, "treespec:draft_hop_send_seconds_sum") < \
+        value(v, "treespec:draft_hop_seconds_sum")
     assert value(v, "treespec:verify_forward_seconds_count") == \
         value(v, "treespec:step_seconds_count") > 0
 
@@ -96,7 +98,7 @@ def test_metrics_for_a_hand_made_step():
                      drafted=[4, 0], depth=[2, 0], accepted=[2, 0], committed=[3, 1],
                      fallback=[None, "empty_tree"], reason=None, envelope=env,
                      t_start=0, t_drafted=2_000_000, t_verified=5_000_000, t_end=6_000_000,
-                     hop_wait_ns=1_500_000)
+                     hop_send_ns=100_000, hop_wait_ns=1_500_000)
     m.step_finished(rec)
     got = m.registry.get_sample_value
     lab = {"model_name": "tiny"}
@@ -109,6 +111,7 @@ def test_metrics_for_a_hand_made_step():
     assert got("vllm:generation_tokens_total", lab) == 4
     assert got("treespec:draft_hop_seconds_sum", lab) == pytest.approx(0.002)
     assert got("treespec:draft_hop_wait_seconds_sum", lab) == pytest.approx(0.0015)
+    assert got("treespec:draft_hop_send_seconds_sum", lab) == pytest.approx(0.0001)
     assert got("treespec:verify_forward_seconds_sum", lab) == pytest.approx(0.003)
     assert got("treespec:step_seconds_sum", lab) == pytest.approx(0.006)
     # every server has a registry of its own: a second one starts from zero

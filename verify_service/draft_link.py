@@ -56,6 +56,7 @@ class DraftLink:
         self.busy_poll = busy_poll      # poll for the answer on the loop, never sleep
         self.local = local              # try the draft's local socket first
         self.carrier = ""               # "unix socket" or "grpc" while connected
+        self.t_sent = 0                 # last step: when its request was written (time_ns)
         self.wait_ns = 0                # last answered step: request written -> answer read
         self._t_answer = 0
 
@@ -161,7 +162,7 @@ class DraftLink:
         timer = loop.call_later(timeout_s, _settle, waiter, _EXPIRED)
         try:
             await self._call.write(wire.spec_request_to_pb(req, self._staging))
-            t_sent = time.time_ns()
+            t_sent = self.t_sent = time.time_ns()
             if self.busy_poll:
                 await spin_until(waiter.done)
             msg = await waiter

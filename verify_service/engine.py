@@ -273,10 +273,15 @@ class VerifyEngine:
                       for s, d, *_ in rows],
             reason=reason, envelope=self.link.info.envelope if tree is not None else None,
             t_start=t0, t_drafted=t1, t_verified=t2, t_end=time.time_ns(),
-            hop_wait_ns=self.link.wait_ns if asked and self.link is not None else 0))
+            **self._hop_parts(asked, t0)))
         for s in seqs:
             if s.finish is not None:
                 self.observer.finished(s)
+
+    def _hop_parts(self, asked: bool, t0: int) -> dict[str, int]:
+        if not asked or self.link is None or not self.link.wait_ns:
+            return {}
+        return {"hop_send_ns": self.link.t_sent - t0, "hop_wait_ns": self.link.wait_ns}
 
     def _mark_sent(self, seqs: list[Sequence]) -> None:
         self.released = []

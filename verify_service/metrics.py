@@ -21,6 +21,7 @@ treespec's own (vLLM has none of these):
                                                  while speculating (= fallback_steps)
     treespec:sequence_steps                      decode steps summed over sequences (= steps)
     treespec:draft_hop_seconds                   Speculate round trip (send, draft, receive)
+    treespec:draft_hop_send_seconds              of it: step start -> request written
     treespec:draft_hop_wait_seconds              of it: request written -> answer read
     treespec:verify_forward_seconds              target forward + accept walk + KV commit
     treespec:step_seconds / treespec:prefill_seconds   whole engine iterations
@@ -81,6 +82,8 @@ class VerifyMetrics:
         self.sequence_steps = counter("treespec:sequence_steps",
                                       "Decode steps summed over sequences.")
         self.hop = seconds("treespec:draft_hop_seconds", "Speculate round trip per step.")
+        self.hop_send = seconds("treespec:draft_hop_send_seconds",
+                                "Of the round trip: step start to request written.")
         self.hop_wait = seconds("treespec:draft_hop_wait_seconds",
                                 "Of the round trip: request written to answer read (the "
                                 "carrier and the draft).")
@@ -130,6 +133,7 @@ class VerifyMetrics:
         if r.step_id:
             self.hop.observe((r.t_drafted - r.t_start) * _NS)
             if r.hop_wait_ns:
+                self.hop_send.observe(r.hop_send_ns * _NS)
                 self.hop_wait.observe(r.hop_wait_ns * _NS)
         self.verify.observe((r.t_verified - r.t_drafted) * _NS)
         self.step.observe((r.t_end - r.t_start) * _NS)

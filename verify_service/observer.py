@@ -64,8 +64,10 @@ class StepRecord:
     t_drafted: int                   # proposal in hand (== t_start when not asked)
     t_verified: int                  # target forward, accept walk and KV commit done
     t_end: int                       # tokens committed and queued to their clients
-    hop_wait_ns: int = 0             # of the hop: request written -> answer read (carrier and
-                                     # draft; the rest is this service's encode, decode, checks)
+    # the hop's parts (0 when not asked): step start -> request written, then request
+    # written -> answer read (carrier and draft); the rest is decoding and checks
+    hop_send_ns: int = 0
+    hop_wait_ns: int = 0
 
 
 class EngineObserver(Protocol):
