@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import sys
 import time
@@ -22,10 +23,26 @@ from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 BENCH = Path(__file__).resolve().parent
 
 
-def start(name: str, argv: list[str], timeout: float = 600) -> ServiceProcess:
+def start(name: str, argv: list[str], timeout: float = 600,
+          cpus: set[int] | None = None) -> ServiceProcess:
+    """A service process; cpus pins it (and its threads) to those CPUs."""
+    if cpus:
+        argv = [sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, "
+                f"{sorted(cpus)}); os.execv(sys.argv[1], sys.argv[1:])", *argv]
     svc = ServiceProcess(name, argv, env=child_env())
     svc.wait_listening(timeout)
     return svc
+
+
+def disjoint_cpus() -> tuple[set[int], set[int]]:
+    """(verify's, draft's): the allowed CPUs split so that the two services never share
+    one, the first quarter left to this process (the client) and everything else."""
+    have = sorted(os.sched_getaffinity(0))
+    n = len(have)
+    if n < 2:
+        raise RuntimeError("pinning the services apart needs two CPUs")
+    q = max(1, n // 4) if n >= 4 else 0
+    return set(have[q:n - max(1, n // 4)]), set(have[n - max(1, n // 4):])
 
 
 def verify_argv(model: str, device: str, draft: str | None, max_batch: int,
@@ -165,15 +182,19 @@ def replay_phase(target: str, device: str, work: Path, label: str, drafting: tup
                  sets: dict[int, list[list[int]]], max_tokens: int,
                  refs: dict[int, list[list[int]]], plain: dict[int, list[list[int]]],
                  res: dict, hop: bool = False, draft_extra: tuple[str, ...] = (),
-                 verify_extra: tuple[str, ...] = ()) -> dict[int, list[list[int]]]:
+                 verify_extra: tuple[str, ...] = (), pin: bool = False
+                 ) -> dict[int, list[list[int]]]:
     """Both services with the replay instrument proposing refs (drafting: its
     --corrupt / --accept flags); returns the outputs."""
     cont = work / f"{label}_continuations.json"
     cont.write_text(json.dumps([{"prompt": p, "continuation": c} for b in sets
                                 for p, c in zip(sets[b], refs[b])]))
+    v_cpus, d_cpus = disjoint_cpus() if pin else (None, None)
     d = start(f"{label}-draft", [sys.executable, str(BENCH / "replay.py"), "--continuations",
-                                 str(cont), *drafting, "--port", "0", *draft_extra])
-    v = start("verify", verify_argv(target, device, d.addr, max(sets), verify_extra))
+                                 str(cont), *drafting, "--port", "0", *draft_extra],
+              cpus=d_cpus)
+    v = start("verify", verify_argv(target, device, d.addr, max(sets), verify_extra),
+              cpus=v_cpus)
     outs: dict[int, list[list[int]]] = {}
     try:
         for b, prompts in sets.items():
@@ -228,7 +249,7 @@ def model_phase(target: str, draft: str, device: str, draft_device: str,
 def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
             batches: list[int], drafting: tuple[str, ...], work: Path,
             placement: str = "same", ab_busy_poll: bool = False, ab_grpc: bool = False,
-            ab_draft_sleep: bool = False) -> dict:
+            ab_draft_sleep: bool = False, ab_pin: bool = False) -> dict:
     """prompts: at least sum(batches); each batch size gets its own prompts, so each
     replay reference is recorded at the batch shape it is replayed at. drafting: the
     replay instrument's --accept / --corrupt flags. ab_busy_poll: also the first batch
@@ -264,14 +285,15 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
                  hop=True)
     for on, suffix, draft_extra, verify_extra in (
             (ab_grpc, "grpc", (), ("--draft-socket", "off")),
-            (ab_draft_sleep, "draftsleep", ("--busy-poll", "off"), ())):
+            (ab_draft_sleep, "draftsleep", ("--busy-poll", "off"), ()),
+            (ab_pin, "pinned", (), ())):
         if not on:
             continue
         b = batches[0]
         variant: dict = {}
         replay_phase(target, device, work, "replay", drafting, {b: sets[b]}, max_tokens,
                      {b: refs[b]}, {b: plain[b]}, variant, draft_extra=draft_extra,
-                     verify_extra=verify_extra)
+                     verify_extra=verify_extra, pin=suffix == "pinned")
         res.update({f"{k}_{suffix}": v for k, v in variant.items()})
     if ab_busy_poll:
         b = batches[0]

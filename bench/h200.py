@@ -65,6 +65,9 @@ def main() -> None:
     ap.add_argument("--ab-draft-sleep", action="store_true",
                     help="also run replay at the first batch size with only the draft's busy "
                          "polling off")
+    ap.add_argument("--ab-pin", action="store_true",
+                    help="also run replay at the first batch size with the two services "
+                         "pinned to disjoint CPUs")
     ap.add_argument("--replay", default="exact", choices=["exact", "random"],
                     help="4 tokens per step from the replay instrument: exactly (3 correct "
                          "drafted tokens of 4 every step) or on average (random corruption)")
@@ -147,7 +150,7 @@ def main() -> None:
         out["replay_drafting"] = " ".join(drafting)
         r = run_e2e(str(target_dir), str(draft_dir), a.device, prompts, a.max_tokens,
                     batches, drafting, work, a.placement, a.ab_busy_poll, a.ab_grpc,
-                    a.ab_draft_sleep)
+                    a.ab_draft_sleep, a.ab_pin)
         out["e2e"] = r
         out["oracle4_tok_s"] = r["replay_b1"]["tok_s"]
         out["oracle4_tokens_per_step"] = r["replay_b1"]["tokens_per_step"]
@@ -167,6 +170,10 @@ def main() -> None:
             g = r["replay_b1_grpc"]
             out["hop_share_grpc"] = g["hop_ms"] / g["step_ms"] if "hop_ms" in g else None
             out["oracle4_tok_s_grpc"] = g["tok_s"]
+        if "replay_b1_pinned" in r:
+            p = r["replay_b1_pinned"]
+            out["oracle4_tok_s_pinned"] = p["tok_s"]
+            out["hop_share_pinned"] = p["hop_ms"] / p["step_ms"] if "hop_ms" in p else None
         out["batch_tok_s"] = {str(b): {"plain": r[f"plain_b{b}"]["tok_s"],
                                        "spec": r[f"replay_b{b}"]["tok_s"]} for b in batches}
 
