@@ -213,6 +213,8 @@ def replay_phase(target: str, device: str, work: Path, label: str, drafting: tup
             # idle for one plain step between messages, as in serving
             gap = res.get(f"plain_b{next(iter(sets))}", {}).get("step_ms", 5.0) / 1000
             for carrier, key in (("grpc", "hop"), ("socket", "hop_socket")):
+                if carrier == "socket" and "--local-socket" not in draft_extra:
+                    continue        # this draft serves no local socket
                 res[f"{key}_ms"] = asyncio.run(_hop_ms(d.addr, first, carrier=carrier))
                 res[f"{key}_idle_ms"] = asyncio.run(_hop_ms(d.addr, first, gap, carrier))
                 print(f"hop by {carrier}: {res[f'{key}_ms']:.3f} ms back to back, "
@@ -248,14 +250,14 @@ def model_phase(target: str, draft: str, device: str, draft_device: str,
 
 def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
             batches: list[int], drafting: tuple[str, ...], work: Path,
-            placement: str = "same", ab_busy_poll: bool = False, ab_grpc: bool = False,
+            placement: str = "same", ab_busy_poll: bool = False, ab_socket: bool = False,
             ab_draft_sleep: bool = False, ab_pin: bool = False) -> dict:
     """prompts: at least sum(batches); each batch size gets its own prompts, so each
     replay reference is recorded at the batch shape it is replayed at. drafting: the
     replay instrument's --accept / --corrupt flags. ab_busy_poll: also the first batch
-    size, plain and replay, with busy polling off (`*_nopoll` keys); ab_grpc: also its
-    replay with draft steps on the gRPC stream instead of the local socket (`*_grpc`
-    keys), for the side-by-side comparisons."""
+    size, plain and replay, with busy polling off (`*_nopoll` keys); ab_socket: also its
+    replay with draft steps on the draft's local socket instead of the gRPC stream
+    (`*_socket` keys), for the side-by-side comparisons."""
     res: dict = {"placement": placement}
     draft_device, device = placement_devices(placement, device)
     sets, at = {}, 0
@@ -284,7 +286,7 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     replay_phase(target, device, work, "replay", drafting, sets, max_tokens, refs, plain, res,
                  hop=True)
     for on, suffix, draft_extra, verify_extra in (
-            (ab_grpc, "grpc", (), ("--draft-socket", "off")),
+            (ab_socket, "socket", ("--local-socket", "auto"), ()),
             (ab_draft_sleep, "draftsleep", ("--busy-poll", "off"), ()),
             (ab_pin, "pinned", (), ())):
         if not on:
@@ -292,8 +294,13 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
         b = batches[0]
         variant: dict = {}
         replay_phase(target, device, work, "replay", drafting, {b: sets[b]}, max_tokens,
-                     {b: refs[b]}, {b: plain[b]}, variant, draft_extra=draft_extra,
-                     verify_extra=verify_extra, pin=suffix == "pinned")
+                     {b: refs[b]}, {b: plain[b]}, variant, hop=suffix == "socket",
+                     draft_extra=draft_extra, verify_extra=verify_extra,
+                     pin=suffix == "pinned")
+        for k in ("hop_socket_ms", "hop_socket_idle_ms"):      # the standalone loops
+            if k in variant:
+                res[k] = variant.pop(k)
+        variant.pop("hop_ms", None), variant.pop("hop_idle_ms", None)   # measured above
         res.update({f"{k}_{suffix}": v for k, v in variant.items()})
     if ab_busy_poll:
         b = batches[0]

@@ -59,9 +59,9 @@ def main() -> None:
     ap.add_argument("--ab-busy-poll", action="store_true",
                     help="also run plain and replay at the first batch size with the "
                          "verify service's busy polling off")
-    ap.add_argument("--ab-grpc", action="store_true",
+    ap.add_argument("--ab-socket", action="store_true",
                     help="also run replay at the first batch size with draft steps on the "
-                         "gRPC stream instead of the draft's local socket")
+                         "draft's local Unix socket instead of the gRPC stream")
     ap.add_argument("--ab-draft-sleep", action="store_true",
                     help="also run replay at the first batch size with only the draft's busy "
                          "polling off")
@@ -149,7 +149,7 @@ def main() -> None:
             ("--corrupt", str(corrupt_for(4.0, 4)))
         out["replay_drafting"] = " ".join(drafting)
         r = run_e2e(str(target_dir), str(draft_dir), a.device, prompts, a.max_tokens,
-                    batches, drafting, work, a.placement, a.ab_busy_poll, a.ab_grpc,
+                    batches, drafting, work, a.placement, a.ab_busy_poll, a.ab_socket,
                     a.ab_draft_sleep, a.ab_pin)
         out["e2e"] = r
         out["oracle4_tok_s"] = r["replay_b1"]["tok_s"]
@@ -165,11 +165,11 @@ def main() -> None:
         out["hop_share"] = b1.get("hop_ms", r["hop_ms"]) / b1.get("step_ms", step_ms)
         out["hop_share_back_to_back"] = r["hop_ms"] / step_ms
         out["hop_share_idle_loop"] = r["hop_idle_ms"] / step_ms
-        out["hop_share_socket_idle_loop"] = r["hop_socket_idle_ms"] / step_ms
-        if "replay_b1_grpc" in r:     # the same serving step with its hop on gRPC
-            g = r["replay_b1_grpc"]
-            out["hop_share_grpc"] = g["hop_ms"] / g["step_ms"] if "hop_ms" in g else None
-            out["oracle4_tok_s_grpc"] = g["tok_s"]
+        if "replay_b1_socket" in r:   # the same serving step, its hop on the local socket
+            g = r["replay_b1_socket"]
+            out["hop_share_socket"] = g["hop_ms"] / g["step_ms"] if "hop_ms" in g else None
+            out["oracle4_tok_s_socket"] = g["tok_s"]
+            out["hop_share_socket_idle_loop"] = r["hop_socket_idle_ms"] / step_ms
         if "replay_b1_pinned" in r:
             p = r["replay_b1_pinned"]
             out["oracle4_tok_s_pinned"] = p["tok_s"]

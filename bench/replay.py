@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--local-socket", default="off", help="as `treespec draft --local-socket`")
     ap.add_argument("--busy-poll", default="on", choices=["auto", "on", "off"],
                     help="as `treespec draft --busy-poll` (default on: the instrument stands "
                          "in for a draft on a GPU, where auto means on)")
@@ -93,7 +94,7 @@ def main() -> None:
     from draft_service.config import DraftConfig
     env = TreeEnvelope(depth=a.depth, topk=1, num_nodes=a.depth, name=f"chain{a.depth}")
     cfg = DraftConfig(method="ngram", envelope=env, host=a.host, port=a.port, device="cpu",
-                      busy_poll=a.busy_poll)
+                      busy_poll=a.busy_poll, local_socket=a.local_socket)
     records = json.loads(Path(a.continuations).read_text())
     server.run(cfg, proposer=ReplayProposer(records, a.depth, a.corrupt, a.vocab, a.accept))
 

@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-sequences", type=int, help="sequences whose state the draft keeps")
     d.add_argument("--local-socket", metavar="auto|off|PATH",
                    help="also serve the per-step stream on a Unix socket, which a verify "
-                        "service on this host uses instead of gRPC (default auto: an "
-                        "abstract socket on Linux; PATH or @name to share it across "
+                        "service on this host then uses instead of gRPC (default off; auto: "
+                        "an abstract socket on Linux; PATH or @name to share it across "
                         "containers through a volume)")
     _add_runtime(d)
 

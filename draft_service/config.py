@@ -23,9 +23,11 @@ class DraftConfig(ServiceConfig):
     ngram_max: int = 4                # longest suffix the n-gram proposer matches
     ngram_min: int = 1
     max_sequences: int = 256          # sequences whose state the draft keeps
-    # also serve Speculate on a Unix socket for a verify service on this host:
-    # auto (an abstract socket named after the instance, on Linux), off, or a path / @name
-    local_socket: str = "auto"
+    # also serve Speculate on a Unix socket for a verify service on this host: off,
+    # auto (an abstract socket named after the instance, on Linux), or a path / @name.
+    # Off by default: on the H200 it was 2-4 x faster than gRPC alone, but no faster
+    # inside a serving step (bench/NOTES.md, fifth session)
+    local_socket: str = "off"
 
     def local_address(self, instance_id: str) -> str | None:
         """Where to serve the local socket, None for nowhere."""

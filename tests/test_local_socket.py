@@ -34,14 +34,16 @@ MAX_TOKENS = 16
     ("auto", "path", "unix socket"),
     ("off", "auto", "grpc"),
     ("auto", "off", "grpc"),
+    ("auto", None, "grpc"),          # the draft's default: no local socket
 ])
 def test_carrier_choice_is_lossless(target_dir, tmp_path, draft_socket, local_socket, carrier):
     if local_socket == "path":
         local_socket = str(tmp_path / "draft.sock")
+    draft_kw = {} if local_socket is None else {"local_socket": local_socket}
 
     async def go():
         async with services(target_dir, "model", target_dir, "chain4",
-                            draft_kw={"local_socket": local_socket},
+                            draft_kw=draft_kw,
                             draft_socket=draft_socket) as h:
             assert h["engine"].link.carrier == carrier
             async with AsyncTreespecClient(h["addr"]) as c:
@@ -52,7 +54,7 @@ def test_carrier_choice_is_lossless(target_dir, tmp_path, draft_socket, local_so
     assert out.token_ids == greedy_reference(target_dir, PROMPT, MAX_TOKENS)
     assert out.stats["fallback_steps"] == 0 and out.stats["accepted_tokens"] > 0
     assert used == 0
-    if local_socket.endswith(".sock"):
+    if local_socket and local_socket.endswith(".sock"):
         assert not os.path.exists(local_socket)     # removed when the draft stopped
 
 
@@ -112,7 +114,7 @@ def test_malformed_frames_end_the_stream_with_invalid_argument(data, message):
         finally:
             s.cancel()
 
-    _serve(DraftConfig(method="ngram", envelope=ENV), body)
+    _serve(DraftConfig(method="ngram", envelope=ENV, local_socket="auto"), body)
 
 
 async def _proposals(carrier: str, steps: list[pb.SpeculateRequest]) -> list:
@@ -164,7 +166,7 @@ def test_a_socket_of_another_instance_is_refused():
             await frames.FrameStream.open(info.local_socket, "not-" + info.instance_id,
                                           pb.Proposal.FromString)
 
-    _serve(DraftConfig(method="ngram", envelope=ENV), body)
+    _serve(DraftConfig(method="ngram", envelope=ENV, local_socket="auto"), body)
 
 
 def test_bad_local_socket_flag_is_refused():
