@@ -9,6 +9,7 @@ import re
 import sys
 import time
 import urllib.request
+from collections.abc import Collection
 from pathlib import Path
 
 import grpc
@@ -248,16 +249,25 @@ def model_phase(target: str, draft: str, device: str, draft_device: str,
         d.stop()
 
 
+# side-by-side variants at the first batch size: key -> (what differs, the draft's extra
+# flags, the verify service's extra flags); "nopoll" runs plain decode too
+AB_VARIANTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "nopoll": ("plain and replay with busy polling off",
+               ("--busy-poll", "off"), ("--busy-poll", "off")),
+    "socket": ("replay with draft steps on the draft's local Unix socket instead of gRPC",
+               ("--local-socket", "auto"), ()),
+    "draftsleep": ("replay with only the draft's busy polling off", ("--busy-poll", "off"), ()),
+    "pinned": ("replay with the two services pinned to disjoint CPUs", (), ()),
+}
+
+
 def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
             batches: list[int], drafting: tuple[str, ...], work: Path,
-            placement: str = "same", ab_busy_poll: bool = False, ab_socket: bool = False,
-            ab_draft_sleep: bool = False, ab_pin: bool = False) -> dict:
+            placement: str = "same", ab: Collection[str] = ()) -> dict:
     """prompts: at least sum(batches); each batch size gets its own prompts, so each
     replay reference is recorded at the batch shape it is replayed at. drafting: the
-    replay instrument's --accept / --corrupt flags. ab_busy_poll: also the first batch
-    size, plain and replay, with busy polling off (`*_nopoll` keys); ab_socket: also its
-    replay with draft steps on the draft's local socket instead of the gRPC stream
-    (`*_socket` keys), for the side-by-side comparisons."""
+    replay instrument's --accept / --corrupt flags. ab: AB_VARIANTS keys, each also run
+    at the first batch size, its keys suffixed `_<key>`, for side-by-side comparisons."""
     res: dict = {"placement": placement}
     draft_device, device = placement_devices(placement, device)
     sets, at = {}, 0
@@ -285,11 +295,8 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     # 3. replay instrument (chain of 4) at the set tokens per step.
     replay_phase(target, device, work, "replay", drafting, sets, max_tokens, refs, plain, res,
                  hop=True)
-    for on, suffix, draft_extra, verify_extra in (
-            (ab_socket, "socket", ("--local-socket", "auto"), ()),
-            (ab_draft_sleep, "draftsleep", ("--busy-poll", "off"), ()),
-            (ab_pin, "pinned", (), ())):
-        if not on:
+    for suffix, (_, draft_extra, verify_extra) in AB_VARIANTS.items():
+        if suffix not in ab or suffix == "nopoll":
             continue
         b = batches[0]
         variant: dict = {}
@@ -302,10 +309,10 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
                 res[k] = variant.pop(k)
         variant.pop("hop_ms", None), variant.pop("hop_idle_ms", None)   # measured above
         res.update({f"{k}_{suffix}": v for k, v in variant.items()})
-    if ab_busy_poll:
+    if "nopoll" in ab:
         b = batches[0]
-        off = ("--busy-poll", "off")
-        v = start("verify", verify_argv(target, device, None, b, off))
+        _, draft_off, verify_off = AB_VARIANTS["nopoll"]
+        v = start("verify", verify_argv(target, device, None, b, verify_off))
         try:
             r = throughput(v.addr, sets[b], max_tokens, no_spec=True, metrics=metrics_url(v))
             r.pop("ids")
@@ -315,7 +322,8 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
             v.stop()
         nopoll: dict = {}
         replay_phase(target, device, work, "replay", drafting, {b: sets[b]}, max_tokens,
-                     {b: refs[b]}, {b: plain[b]}, nopoll, draft_extra=off, verify_extra=off)
+                     {b: refs[b]}, {b: plain[b]}, nopoll, draft_extra=draft_off,
+                     verify_extra=verify_off)
         res.update({f"{k}_nopoll": v for k, v in nopoll.items()})
     # 4. the draft-model proposer (random weights: acceptance is near zero, so this
     #    measures what a draft costs, not what it buys). Its failure must not cost

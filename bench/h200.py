@@ -25,9 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench import shapes  # noqa: E402
-from bench.e2e_bench import run_e2e  # noqa: E402
+from bench.e2e_bench import AB_VARIANTS, run_e2e  # noqa: E402
 from bench.inproc_bench import (copy_bandwidth, hf_decode_tok_s, ours_from_hf,  # noqa: E402
                                 verify_latency_ms)
+
+
+AB_FLAGS = {"nopoll": "busy-poll", "socket": "socket", "draftsleep": "draft-sleep",
+            "pinned": "pin"}      # AB_VARIANTS key -> its --ab-* flag
 
 
 def corrupt_for(tokens_per_step: float, depth: int) -> float:
@@ -56,18 +60,9 @@ def main() -> None:
     ap.add_argument("--no-plant", action="store_true",
                     help="plain random target weights (near-tied logits: bf16 flips "
                          "argmaxes between decode and verify shapes)")
-    ap.add_argument("--ab-busy-poll", action="store_true",
-                    help="also run plain and replay at the first batch size with the "
-                         "verify service's busy polling off")
-    ap.add_argument("--ab-socket", action="store_true",
-                    help="also run replay at the first batch size with draft steps on the "
-                         "draft's local Unix socket instead of the gRPC stream")
-    ap.add_argument("--ab-draft-sleep", action="store_true",
-                    help="also run replay at the first batch size with only the draft's busy "
-                         "polling off")
-    ap.add_argument("--ab-pin", action="store_true",
-                    help="also run replay at the first batch size with the two services "
-                         "pinned to disjoint CPUs")
+    for key, flag in AB_FLAGS.items():
+        ap.add_argument(f"--ab-{flag}", dest=f"ab_{key}", action="store_true",
+                        help=f"also, at the first batch size: {AB_VARIANTS[key][0]}")
     ap.add_argument("--replay", default="exact", choices=["exact", "random"],
                     help="4 tokens per step from the replay instrument: exactly (3 correct "
                          "drafted tokens of 4 every step) or on average (random corruption)")
@@ -149,8 +144,8 @@ def main() -> None:
             ("--corrupt", str(corrupt_for(4.0, 4)))
         out["replay_drafting"] = " ".join(drafting)
         r = run_e2e(str(target_dir), str(draft_dir), a.device, prompts, a.max_tokens,
-                    batches, drafting, work, a.placement, a.ab_busy_poll, a.ab_socket,
-                    a.ab_draft_sleep, a.ab_pin)
+                    batches, drafting, work, a.placement,
+                    [k for k in AB_FLAGS if getattr(a, f"ab_{k}")])
         out["e2e"] = r
         out["oracle4_tok_s"] = r["replay_b1"]["tok_s"]
         out["oracle4_tokens_per_step"] = r["replay_b1"]["tokens_per_step"]
