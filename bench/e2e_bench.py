@@ -71,9 +71,10 @@ async def _batch(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: 
     return dt, [o.stats for o in outs], [o.token_ids for o in outs]
 
 
+HOP_PART = "treespec:draft_hop_part_seconds"     # labelled {part}: verify's hop_parts
+HOP_PARTS = ("send", "wait", "read", "to_draft", "draft", "to_verify")
 STEP_PARTS = {"step": "treespec:step_seconds", "hop": "treespec:draft_hop_seconds",
-              "hop_send": "treespec:draft_hop_send_seconds",
-              "hop_wait": "treespec:draft_hop_wait_seconds",
+              **{f"hop_{p}": f"{HOP_PART}|{p}" for p in HOP_PARTS},
               "verify": "treespec:verify_forward_seconds"}
 
 
@@ -93,9 +94,15 @@ def step_sums(url: str | None) -> dict[str, tuple[float, float]]:
     got: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for smp in fam.samples:
-            got[smp.name] = got.get(smp.name, 0.0) + smp.value
-    return {k: (got.get(n + "_sum", 0.0), got.get(n + "_count", 0.0))
-            for k, n in STEP_PARTS.items()}
+            part = smp.labels.get("part")
+            name = smp.name if part is None else f"{smp.name}|{part}"
+            got[name] = got.get(name, 0.0) + smp.value
+
+    def series(name: str, suffix: str) -> float:        # "metric|part" -> "metric_sum|part"
+        base, _, part = name.partition("|")
+        return got.get(base + suffix + (f"|{part}" if part else ""), 0.0)
+
+    return {k: (series(n, "_sum"), series(n, "_count")) for k, n in STEP_PARTS.items()}
 
 
 def step_breakdown(before: dict, after: dict) -> dict[str, float]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 from google.protobuf.message import DecodeError
 
@@ -69,6 +70,7 @@ class LocalServer:
                     frame = await frames.read_frame(reader)
                 except frames.FrameError as e:
                     raise InvalidRequest(f"broken frame: {e}") from e
+                received = time.time_ns()
                 if frame is None:
                     return
                 kind, payload = frame
@@ -79,7 +81,7 @@ class LocalServer:
                 except DecodeError as e:
                     raise InvalidRequest(f"undecodable SpeculateRequest: {e}") from e
                 order.check(msg.step_id)
-                reply = await self.servicer.answer(msg)
+                reply = await self.servicer.answer(msg, received)
             except (ConnectionError, asyncio.CancelledError):
                 raise
             except Exception as e:  # noqa: BLE001 - mapped to an error frame, never swallowed

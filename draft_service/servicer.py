@@ -19,6 +19,7 @@ sequence comes back in ``Proposal.resync``.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -71,17 +72,24 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Proposal]:
         order = StepOrder()
         async for msg in request_iterator:
+            received = time.time_ns()
             order.check(msg.step_id)
-            yield await self.answer(msg)
+            yield await self.answer(msg, received)
 
-    async def answer(self, msg: pb.SpeculateRequest) -> pb.Proposal:
+    async def answer(self, msg: pb.SpeculateRequest, received_ns: int) -> pb.Proposal:
         """One step of a Speculate stream, whichever carrier brought it (this gRPC
-        stream or draft_service.local_server's Unix socket)."""
+        stream or draft_service.local_server's Unix socket), stamped with when its
+        request was read (received_ns) and when the answer leaves."""
         if self._spinner is not None:   # the next step's request is a forward away
             self._spinner.keep_hot()
         if self._inline:
-            return self._step(msg)
-        return await asyncio.get_running_loop().run_in_executor(self._worker, self._step, msg)
+            reply = self._step(msg)
+        else:
+            reply = await asyncio.get_running_loop().run_in_executor(self._worker, self._step,
+                                                                     msg)
+        reply.received_unix_ns = received_ns
+        reply.sent_unix_ns = time.time_ns()
+        return reply
 
     def _step(self, msg: pb.SpeculateRequest) -> pb.Proposal:
         batch = self.engine.step(wire.spec_request_from_pb(msg))

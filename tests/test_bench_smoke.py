@@ -35,6 +35,10 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
         assert e2e[f"replay_b{b}"]["tokens_per_step"] == 15 / 4
         assert e2e[f"replay_b{b}"]["step_ms"] > e2e[f"replay_b{b}"]["verify_ms"] > 0
     assert 0 < r["hop_share"] < 1
+    hop = e2e["replay_b1"]      # the hop by part: send + wait + read, wait by its legs
+    assert hop["hop_send_ms"] + hop["hop_wait_ms"] + hop["hop_read_ms"] <= hop["hop_ms"] * 1.001
+    assert abs(hop["hop_to_draft_ms"] + hop["hop_draft_ms"] + hop["hop_to_verify_ms"]
+               - hop["hop_wait_ms"]) < 1e-6 and hop["hop_draft_ms"] > 0
     assert e2e["replay_b1_nopoll"]["lossless"] and e2e["plain_b1_nopoll"]["tok_s"] > 0
     assert e2e["replay_b1_socket"]["lossless"] and r["oracle4_tok_s_socket"] > 0
     assert 0 < r["hop_share_socket"] < 1 and e2e["hop_socket_ms"] > 0

@@ -13,7 +13,7 @@ from parallel_services import free_port, running
 from prom import scrape, total, value, wait_connected
 from common.tree import envelope_from
 from verify_service.metrics import VerifyMetrics
-from verify_service.observer import StepRecord
+from verify_service.observer import StepRecord, hop_parts
 
 METRICS_LINE = re.compile(r"metrics on (http://\S+/metrics)")
 PROMPTS = [[5, 17, 23, 42, 8, 17, 23, 42, 8, 17, 23], [3, 4, 5, 6, 7]]
@@ -73,12 +73,17 @@ def test_metrics_equal_generate_json_stats(stack):
     assert value(v, "treespec:kv_pages_free") > 0
     assert value(v, "treespec:draft_connected") == 1
     assert value(v, "treespec:draft_hop_seconds_count") >= drafts
-    # the wait (written -> answered) is part of each answered hop
-    assert 0 < value(v, "treespec:draft_hop_wait_seconds_sum") < \
-        value(v, "treespec:draft_hop_seconds_sum")
-    assert value(v, "treespec:draft_hop_wait_seconds_count") == drafts
-    assert 0 < value(v, "treespec:draft_hop_send_seconds_sum") < \
-        value(v, "treespec:draft_hop_seconds_sum")
+    # each answered hop by part: send + wait + read = the hop, and the draft's stamps
+    # split the wait into its wire legs and the draft's own time
+    part = {p: value(v, "treespec:draft_hop_part_seconds_sum", part=p)
+            for p in ("send", "wait", "read", "to_draft", "draft", "to_verify")}
+    assert value(v, "treespec:draft_hop_part_seconds_count", part="wait") == drafts
+    # (a hop that got no answer, e.g. a resync step's all-padding rows, has no parts)
+    assert 0 < part["send"] + part["wait"] + part["read"] <= \
+        value(v, "treespec:draft_hop_seconds_sum") * (1 + 1e-9)
+    assert part["to_draft"] + part["draft"] + part["to_verify"] == pytest.approx(
+        part["wait"], rel=1e-6)
+    assert part["draft"] > 0
     assert value(v, "treespec:verify_forward_seconds_count") == \
         value(v, "treespec:step_seconds_count") > 0
 
@@ -91,6 +96,15 @@ def test_metrics_equal_generate_json_stats(stack):
     assert value(d, "treespec:kv_pages_used") >= 0 and value(d, "treespec:draft_sequences") >= 0
 
 
+def test_hop_parts_split_the_wait_only_with_consistent_stamps():
+    assert hop_parts(0, 10, None) == {}
+    assert hop_parts(0, 10, (1, 8, 0, 0)) == {"send": 1, "wait": 7, "read": 2}
+    assert hop_parts(0, 10, (1, 8, 3, 6)) == {"send": 1, "wait": 7, "read": 2,
+                                             "to_draft": 2, "draft": 3, "to_verify": 2}
+    # clocks apart (another host): a negative leg drops all three
+    assert set(hop_parts(0, 10, (5, 8, 3, 6))) == {"send", "wait", "read"}
+
+
 def test_metrics_for_a_hand_made_step():
     env = envelope_from("chain4")
     m = VerifyMetrics("tiny")
@@ -98,7 +112,8 @@ def test_metrics_for_a_hand_made_step():
                      drafted=[4, 0], depth=[2, 0], accepted=[2, 0], committed=[3, 1],
                      fallback=[None, "empty_tree"], reason=None, envelope=env,
                      t_start=0, t_drafted=2_000_000, t_verified=5_000_000, t_end=6_000_000,
-                     hop_send_ns=100_000, hop_wait_ns=1_500_000)
+                     hop_parts=hop_parts(0, 2_000_000, (100_000, 1_600_000, 300_000,
+                                                        1_200_000)))
     m.step_finished(rec)
     got = m.registry.get_sample_value
     lab = {"model_name": "tiny"}
@@ -110,8 +125,10 @@ def test_metrics_for_a_hand_made_step():
     assert got("treespec:spec_decode_fallback_steps_total", {**lab, "reason": "empty_tree"}) == 1
     assert got("vllm:generation_tokens_total", lab) == 4
     assert got("treespec:draft_hop_seconds_sum", lab) == pytest.approx(0.002)
-    assert got("treespec:draft_hop_wait_seconds_sum", lab) == pytest.approx(0.0015)
-    assert got("treespec:draft_hop_send_seconds_sum", lab) == pytest.approx(0.0001)
+    parts = {p: got("treespec:draft_hop_part_seconds_sum", {**lab, "part": p})
+             for p in ("send", "wait", "read", "to_draft", "draft", "to_verify")}
+    assert parts == pytest.approx({"send": 1e-4, "wait": 1.5e-3, "read": 4e-4,
+                                   "to_draft": 2e-4, "draft": 9e-4, "to_verify": 4e-4})
     assert got("treespec:verify_forward_seconds_sum", lab) == pytest.approx(0.003)
     assert got("treespec:step_seconds_sum", lab) == pytest.approx(0.006)
     # every server has a registry of its own: a second one starts from zero

@@ -56,8 +56,10 @@ class DraftLink:
         self.busy_poll = busy_poll      # poll for the answer on the loop, never sleep
         self.local = local              # try the draft's local socket first
         self.carrier = ""               # "unix socket" or "grpc" while connected
-        self.t_sent = 0                 # last step: when its request was written (time_ns)
-        self.wait_ns = 0                # last answered step: request written -> answer read
+        # the last answered step's hop, in time_ns stamps: request handed to the carrier,
+        # answer read,
+        # and the draft's own (read, sent; 0 from a draft that does not stamp)
+        self.stamps: tuple[int, int, int, int] | None = None
         self._t_answer = 0
 
     @property
@@ -151,7 +153,7 @@ class DraftLink:
 
         One future per step, completed by the stream reader, by a timer at the
         deadline or by a dropped connection: no queue and no extra task per step."""
-        self.wait_ns = 0
+        self.stamps = None
         if not self.ready:
             return "disconnected"
         if self._outstanding is not None:
@@ -161,8 +163,9 @@ class DraftLink:
         self._outstanding = req.step_id
         timer = loop.call_later(timeout_s, _settle, waiter, _EXPIRED)
         try:
-            await self._call.write(wire.spec_request_to_pb(req, self._staging))
-            t_sent = self.t_sent = time.time_ns()
+            msg_out = wire.spec_request_to_pb(req, self._staging)
+            t_sent = time.time_ns()                 # handed to the carrier
+            await self._call.write(msg_out)
             if self.busy_poll:
                 await spin_until(waiter.done)
             msg = await waiter
@@ -178,7 +181,7 @@ class DraftLink:
         if msg is _DROPPED:
             return "disconnected"
         self._outstanding = None
-        self.wait_ns = self._t_answer - t_sent
+        self.stamps = (t_sent, self._t_answer, msg.received_unix_ns, msg.sent_unix_ns)
         try:
             return wire.tree_batch_from_pb(msg)
         except codec.CodecError as e:

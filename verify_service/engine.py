@@ -26,7 +26,7 @@ from common.tree import validate_tree
 from kernels.dispatch import select
 from verify_service.draft_link import DraftLink, Fallback
 from verify_service.graph_verifier import GraphVerifier
-from verify_service.observer import EngineObserver, NullObserver, StepRecord
+from verify_service.observer import EngineObserver, NullObserver, StepRecord, hop_parts
 from verify_service.hidden_states import HiddenBuffer, hidden_rows_for
 from verify_service.request import GenRequest
 from verify_service.sequence import Sequence, batch_trees
@@ -273,15 +273,10 @@ class VerifyEngine:
                       for s, d, *_ in rows],
             reason=reason, envelope=self.link.info.envelope if tree is not None else None,
             t_start=t0, t_drafted=t1, t_verified=t2, t_end=time.time_ns(),
-            **self._hop_parts(asked, t0)))
+            hop_parts=hop_parts(t0, t1, self.link.stamps) if asked and self.link else {}))
         for s in seqs:
             if s.finish is not None:
                 self.observer.finished(s)
-
-    def _hop_parts(self, asked: bool, t0: int) -> dict[str, int]:
-        if not asked or self.link is None or not self.link.wait_ns:
-            return {}
-        return {"hop_send_ns": self.link.t_sent - t0, "hop_wait_ns": self.link.wait_ns}
 
     def _mark_sent(self, seqs: list[Sequence]) -> None:
         self.released = []

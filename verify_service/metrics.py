@@ -21,8 +21,9 @@ treespec's own (vLLM has none of these):
                                                  while speculating (= fallback_steps)
     treespec:sequence_steps                      decode steps summed over sequences (= steps)
     treespec:draft_hop_seconds                   Speculate round trip (send, draft, receive)
-    treespec:draft_hop_send_seconds              of it: step start -> request written
-    treespec:draft_hop_wait_seconds              of it: request written -> answer read
+    treespec:draft_hop_part_seconds              {part}: where the hop went (observer.hop_parts):
+                                                 send, wait, read; wait = to_draft + draft
+                                                 + to_verify (same host)
     treespec:verify_forward_seconds              target forward + accept walk + KV commit
     treespec:step_seconds / treespec:prefill_seconds   whole engine iterations
     treespec:kv_pages_used / treespec:kv_pages_free    gauges
@@ -82,11 +83,10 @@ class VerifyMetrics:
         self.sequence_steps = counter("treespec:sequence_steps",
                                       "Decode steps summed over sequences.")
         self.hop = seconds("treespec:draft_hop_seconds", "Speculate round trip per step.")
-        self.hop_send = seconds("treespec:draft_hop_send_seconds",
-                                "Of the round trip: step start to request written.")
-        self.hop_wait = seconds("treespec:draft_hop_wait_seconds",
-                                "Of the round trip: request written to answer read (the "
-                                "carrier and the draft).")
+        self._hop_part = Histogram("treespec:draft_hop_part_seconds",
+                                   "The Speculate round trip by part (send, wait, read; "
+                                   "wait = to_draft + draft + to_verify).", [*lab, "part"],
+                                   buckets=LATENCY_BUCKETS, registry=r)
         self.verify = seconds("treespec:verify_forward_seconds",
                               "Target forward, accept walk and KV commit per step.")
         self.step = seconds("treespec:step_seconds", "Whole decode step.")
@@ -132,9 +132,8 @@ class VerifyMetrics:
     def step_finished(self, r: StepRecord) -> None:
         if r.step_id:
             self.hop.observe((r.t_drafted - r.t_start) * _NS)
-            if r.hop_wait_ns:
-                self.hop_send.observe(r.hop_send_ns * _NS)
-                self.hop_wait.observe(r.hop_wait_ns * _NS)
+            for part, ns in r.hop_parts.items():
+                self._hop_part.labels(self.model_name, part).observe(ns * _NS)
         self.verify.observe((r.t_verified - r.t_drafted) * _NS)
         self.step.observe((r.t_end - r.t_start) * _NS)
         self.sequence_steps.inc(len(r.seq_ids))

@@ -25,7 +25,7 @@ Times are ``time.time_ns()`` (epoch nanoseconds, what span timestamps want).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from common.tree import TreeEnvelope
@@ -64,10 +64,32 @@ class StepRecord:
     t_drafted: int                   # proposal in hand (== t_start when not asked)
     t_verified: int                  # target forward, accept walk and KV commit done
     t_end: int                       # tokens committed and queued to their clients
-    # the hop's parts (0 when not asked): step start -> request written, then request
-    # written -> answer read (carrier and draft); the rest is decoding and checks
-    hop_send_ns: int = 0
-    hop_wait_ns: int = 0
+    # where the hop went, ns by part (empty when no answer came): see hop_parts
+    hop_parts: dict[str, int] = field(default_factory=dict)
+
+
+HOP_PARTS = ("send", "wait", "read", "to_draft", "draft", "to_verify")
+
+
+def hop_parts(t_start: int, t_drafted: int, stamps: tuple[int, int, int, int] | None
+              ) -> dict[str, int]:
+    """Where a hop's time went, ns by part: send (step start -> request encoded and
+    handed to the carrier), wait (handed -> answer read), read (answer read -> proposal
+    in hand: decoding, checks). When the draft stamped its answer, wait splits into
+    to_draft (handed -> the draft read it), draft (read -> answered) and to_verify
+    (answered -> read here); those legs compare the two services' clocks, so they mean
+    something on one host only, and none is reported if one comes out negative (clocks
+    apart). stamps: DraftLink.stamps."""
+    if stamps is None:
+        return {}
+    sent, answered, d_read, d_sent = stamps
+    parts = {"send": sent - t_start, "wait": answered - sent, "read": t_drafted - answered}
+    if d_read and d_sent:
+        legs = {"to_draft": d_read - sent, "draft": d_sent - d_read,
+                "to_verify": answered - d_sent}
+        if min(legs.values()) >= 0:
+            parts.update(legs)
+    return parts
 
 
 class EngineObserver(Protocol):
