@@ -358,7 +358,6 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     block_m, block_n, splits, warps = _plan(total_q, nseq, group, hkv, block_tables.shape[1] * bs,
                                             q.device, num_splits, block_m, block_n)
     bt = block_m // group
-    max_ctx = block_tables.shape[1] * bs
     grid = (min(total_q, triton.cdiv(total_q, bt) + nseq - 1), hkv, splits)
     if splits > 1:
         acc_ws = torch.empty((splits, total_q, hq, d), dtype=torch.float32, device=q.device)

@@ -17,7 +17,7 @@ import pytest
 
 from common import frames, wire
 from common.client import AsyncTreespecClient
-from common.spec_types import SeqUpdate, SpecRequest
+from common.spec_types import SeqUpdate
 from draft_service.config import DraftConfig
 from draft_service.server import start
 from inproc import greedy_reference, services
