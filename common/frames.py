@@ -3,11 +3,12 @@
 A verify service whose draft runs on the same host can carry the per-step
 SpeculateRequest / Proposal messages over a Unix socket instead of the gRPC
 stream. The messages and their meaning do not change (protobuf bytes, the same
-step-id rules, the same errors); only the carrier does. What it saves is thread
-wake-ups: gRPC core reads and writes in its own threads, which sleep through the
-target's forward and must be woken at each end of each hop, while a socket read
-by an event loop that is already spinning (``common.aio.LoopSpinner``) needs no
-thread to wake (``bench/hop_probe.py`` measures both).
+step-id rules, the same errors); only the carrier does. It spares thread wake-ups:
+gRPC core reads and writes in its own threads, while a socket read by an event loop
+that is already spinning (``common.aio.LoopSpinner``) needs no thread to wake. On an
+H200 host a standalone round trip took 0.10-0.16 ms against 0.39-0.50 ms on gRPC
+(``bench/hop_probe.py``), but a serving step's hop was no shorter (bench/NOTES.md,
+fifth session), so drafts serve it only when asked (``--local-socket``).
 
 Frames: a 5-byte header, ``<I`` payload length and one kind byte, then the payload.
 
