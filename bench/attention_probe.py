@@ -25,7 +25,8 @@ import torch  # noqa: E402
 
 from bench.inproc_bench import cuda_ms, random_trees  # noqa: E402
 from common.tree import verify_chunk_layout  # noqa: E402
-from kernels.triton_tree_attention import _plan, paged_tree_attention, tree_ancestors  # noqa: E402
+from kernels.triton_ancestors import tree_ancestors  # noqa: E402
+from kernels.triton_tree_attention import _plan, paged_tree_attention  # noqa: E402
 
 LAYERS, HQ, HKV, D, BS = 36, 32, 8, 128, 16
 

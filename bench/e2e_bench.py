@@ -20,6 +20,7 @@ from common.launch import ServiceProcess, child_env, cli_command
 from common.spec_types import SeqUpdate, SpecRequest
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from verify_service.observer import HOP_PARTS
 
 BENCH = Path(__file__).resolve().parent
 
@@ -72,7 +73,6 @@ async def _batch(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: 
 
 
 HOP_PART = "treespec:draft_hop_part_seconds"     # labelled {part}: verify's hop_parts
-HOP_PARTS = ("send", "wait", "read", "to_draft", "draft", "to_verify")
 STEP_PARTS = {"step": "treespec:step_seconds", "hop": "treespec:draft_hop_seconds",
               **{f"hop_{p}": f"{HOP_PART}|{p}" for p in HOP_PARTS},
               "verify": "treespec:verify_forward_seconds"}

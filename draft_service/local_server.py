@@ -32,11 +32,16 @@ class LocalServer:
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task] = set()
 
-    async def start(self) -> None:
+    def _remove_file(self) -> None:
+        """Unlink the socket file of a path address (an abstract one has none)."""
         path = frames.os_address(self.address)
         if not path.startswith("\0") and os.path.exists(path):
-            os.unlink(path)          # a stale socket file from a process that died
-        self._server = await asyncio.start_unix_server(self._serve, path)
+            os.unlink(path)
+
+    async def start(self) -> None:
+        self._remove_file()          # a stale socket file from a process that died
+        self._server = await asyncio.start_unix_server(self._serve,
+                                                       frames.os_address(self.address))
 
     async def close(self) -> None:
         if self._server is not None:
@@ -46,9 +51,7 @@ class LocalServer:
             await asyncio.gather(*self._conns, return_exceptions=True)
             await self._server.wait_closed()
             self._server = None
-            path = frames.os_address(self.address)
-            if not path.startswith("\0") and os.path.exists(path):
-                os.unlink(path)
+            self._remove_file()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

@@ -11,7 +11,7 @@ from kernels.triton_accept import accept_greedy
 from kernels.triton_fused import add_rms_norm, qk_norm_rope_write, rms_norm, silu_mul
 from kernels.triton_kv import compact_kv, write_kv
 from kernels.triton_tree_attention import paged_tree_attention as _paged_tree_attention
-from kernels.triton_tree_attention import tree_ancestors
+from kernels.triton_ancestors import tree_ancestors
 
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -20,8 +20,8 @@ Design
   query is a chain (prefill, decode, chain speculation) the mask is causal;
   otherwise, per window of CHUNK_N <= 64 keys, each query row's ancestors inside it
   become an int64 bitmask, and key j is visible to row i iff j == i or bit
-  (j - window) is set. The bits come from ``ancestors`` (``tree_ancestors``, one
-  small kernel per forward for fixed-shape trees) when given, else by walking
+  (j - window) is set. The bits come from ``ancestors`` (kernels/triton_ancestors.py,
+  one small kernel per forward for fixed-shape trees) when given, else by walking
   parents up in every program (depth dependent loads per window and layer).
 * Online softmax in base 2 with fp32 statistics and accumulator; scores for fp32
   inputs use IEEE dot products (no TF32).
@@ -87,51 +87,6 @@ def _ancestor_bits(par_ptr, row_parent, w0, limit, WINDOW: tl.constexpr):
         p = tl.where(up, pp, -1)
         steps += 1
     return bits
-
-
-@triton.jit
-def _tree_ancestors_kernel(par_ptr, out_ptr, t_len, W: tl.constexpr, BLOCK_W: tl.constexpr,
-                           BLOCK_R: tl.constexpr, PDL: tl.constexpr):
-    """One program per (chunk, BLOCK_R queries): walk each query's parents up once,
-    setting bit (a % 64) of word (a // 64) for every non-padding ancestor a."""
-    pdl_enter(PDL)
-    b = tl.program_id(0)
-    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = r < t_len
-    par_chunk = par_ptr + b.to(tl.int64) * t_len
-    p = tl.load(par_chunk + r, mask=r_ok, other=-1)
-    w = tl.arange(0, BLOCK_W)
-    words = tl.full([BLOCK_R, BLOCK_W], 0, dtype=tl.int64)
-    one = tl.full([BLOCK_R], 1, dtype=tl.int64)
-    steps = t_len * 0
-    while (vmax(p, 0) >= 0) & (steps < t_len):
-        up = p >= 0
-        pp = tl.load(par_chunk + p, mask=up, other=-1)
-        hit = up & (pp != -2)
-        bit = tl.where(hit, one << (tl.where(up, p, 0) % 64).to(tl.int64), 0)
-        words = words | tl.where(w[None, :] == (p // 64)[:, None], bit[:, None], 0)
-        p = tl.where(up, pp, -1)
-        steps += 1
-    row = (b.to(tl.int64) * t_len + r)[:, None]
-    tl.store(out_ptr + row * W + w[None, :], words, mask=r_ok[:, None] & (w[None, :] < W))
-
-
-def tree_ancestors(chunk_parents: torch.Tensor) -> torch.Tensor:
-    """See kernels.reference.tree_ancestors."""
-    where = "tree_ancestors"
-    check_devices(_tree_ancestors_kernel, where, chunk_parents=chunk_parents)
-    check_dtype(where, "chunk_parents", chunk_parents, INDEX_DTYPES)
-    check_shape(where, "chunk_parents", chunk_parents, (None, None))
-    b, t = chunk_parents.shape
-    w = triton.cdiv(t, 64)
-    out = torch.empty((b * t, w), dtype=torch.int64, device=chunk_parents.device)
-    if b * t == 0:
-        return out
-    block_r = min(64, next_pow2(t))
-    _tree_ancestors_kernel[(b, triton.cdiv(t, block_r))](
-        chunk_parents.contiguous(), out, t, W=w, BLOCK_W=next_pow2(w), BLOCK_R=block_r,
-        num_warps=4, **launch_options(_tree_ancestors_kernel, chunk_parents.device))
-    return out
 
 
 @triton.jit
@@ -388,4 +343,4 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out
 
 
-__all__ = ["paged_tree_attention", "tree_ancestors"]
+__all__ = ["paged_tree_attention"]

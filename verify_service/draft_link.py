@@ -57,8 +57,7 @@ class DraftLink:
         self.local = local              # try the draft's local socket first
         self.carrier = ""               # "unix socket" or "grpc" while connected
         # the last answered step's hop, in time_ns stamps: request handed to the carrier,
-        # answer read,
-        # and the draft's own (read, sent; 0 from a draft that does not stamp)
+        # answer read, and the draft's own (read, sent; 0 from a draft that does not stamp)
         self.stamps: tuple[int, int, int, int] | None = None
         self._t_answer = 0
 
