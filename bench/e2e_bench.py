@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from bench import sched_probe
 from common import frames, wire
 from common.client import AsyncTreespecClient
 from common.launch import ServiceProcess, child_env, cli_command
@@ -118,13 +119,17 @@ def step_breakdown(before: dict, after: dict) -> dict[str, float]:
 
 
 def throughput(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bool,
-               metrics: str | None = None) -> dict:
+               metrics: str | None = None, pids: dict[str, int] | None = None) -> dict:
+    """pids: service processes whose threads' scheduling to report (bench/sched_probe)."""
     before: dict = {}
 
     def mark() -> None:
         before.update(step_sums(metrics))
+        if pids:
+            before["sched"] = sched_probe.snapshot(pids)
 
     dt, stats, ids = asyncio.run(_batch(addr, prompts, max_tokens, no_spec, mark))
+    sched = sched_probe.delta(before.pop("sched"), sched_probe.snapshot(pids)) if pids else None
     gen = sum(s["completion_tokens"] for s in stats)
     steps = sum(s["steps"] for s in stats)
     # the prefill's token is not a step's: leave it out of tokens per step
@@ -135,7 +140,8 @@ def throughput(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bo
     return {"tok_s": gen / dt, "tokens_per_step": per_step, "seconds": dt, **parts,
             "accepted": sum(s["accepted_tokens"] for s in stats),
             "drafted": sum(s["draft_tokens"] for s in stats),
-            "fallback_steps": sum(s["fallback_steps"] for s in stats), "ids": ids}
+            "fallback_steps": sum(s["fallback_steps"] for s in stats), "ids": ids,
+            **({"sched": sched} if sched else {})}
 
 
 async def _hop_ms(draft_addr: str, prompt: list[int], gap_s: float = 0.0,
@@ -206,7 +212,9 @@ def replay_phase(target: str, device: str, work: Path, label: str, drafting: tup
     outs: dict[int, list[list[int]]] = {}
     try:
         for b, prompts in sets.items():
-            r = throughput(v.addr, prompts, max_tokens, no_spec=False, metrics=metrics_url(v))
+            r = throughput(v.addr, prompts, max_tokens, no_spec=False, metrics=metrics_url(v),
+                           pids={"verify": v.proc.pid, "draft": d.proc.pid,
+                                 "client": os.getpid()})
             outs[b] = r.pop("ids")
             vs_ref, vs_plain = first_divergence(outs[b], refs[b]), first_divergence(outs[b], plain[b])
             res[f"{label}_b{b}"] = dict(

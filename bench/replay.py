@@ -23,8 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.tree import TreeEnvelope  # noqa: E402
-from draft_service.proposer import padding_trees  # noqa: E402
+from common.tree import PAD, TreeEnvelope  # noqa: E402
 
 
 class ReplayProposer:
@@ -39,20 +38,26 @@ class ReplayProposer:
         self.plen = sorted({len(r["prompt"]) for r in records})
         self.depth, self.corrupt, self.vocab_size = depth, corrupt, vocab
         self.accept = accept
-        self.seqs: dict[int, list[int]] = {}
+        self.seqs: dict[int, tuple[list[int], tuple[list[int], int] | None]] = {}
         self.rng = random.Random(0)
 
     def update(self, seq_id, tokens, new_count, accepted_nodes, hidden) -> None:
-        self.seqs[seq_id] = tokens
+        # the reference is looked up once per sequence (hashing a 1024-token prompt
+        # inside every timed step would be the instrument's own cost, not a draft's)
+        known = self.seqs.get(seq_id)
+        found = known[1] if known is not None and new_count < len(tokens) \
+            else self._continuation(tokens)
+        self.seqs[seq_id] = (tokens, found)
 
     def release(self, seq_id) -> None:
         self.seqs.pop(seq_id, None)
 
     def _continuation(self, tokens: list[int]) -> tuple[list[int], int] | None:
+        """(the continuation, its prompt's length) of the record tokens start with."""
         for n in self.plen:
             ref = self.refs.get(tuple(tokens[:n]))
             if ref is not None:
-                return ref, len(tokens) - n
+                return ref, n
         return None
 
     def _corrupt(self, i: int) -> bool:
@@ -61,18 +66,22 @@ class ReplayProposer:
         return self.rng.random() < self.corrupt
 
     def propose(self, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, parents = padding_trees(len(seq_ids), self.depth)
-        for row, s in enumerate(seq_ids):
-            found = self._continuation(self.seqs.get(s, []))
-            if found is None:
-                continue
-            ref, done = found
-            draft = [(t + 1) % self.vocab_size if self._corrupt(i) else t
-                     for i, t in enumerate(ref[done:done + self.depth])]
-            if draft:     # one row write each: this runs inside every timed step
-                tokens[row, :len(draft)] = torch.tensor(draft, dtype=torch.int32)
-                parents[row, :len(draft)] = torch.arange(-1, len(draft) - 1, dtype=torch.int32)
-        return tokens, parents
+        n = self.depth
+        tokens, parents = [], []
+        for s in seq_ids:
+            committed, found = self.seqs.get(s, ((), None))
+            draft: list[int] = []
+            if found is not None:
+                ref, plen = found
+                done = len(committed) - plen
+                draft = [(t + 1) % self.vocab_size if self._corrupt(i) else t
+                         for i, t in enumerate(ref[done:done + n])]
+            k = len(draft)
+            tokens.append(draft + [0] * (n - k))
+            parents.append(list(range(-1, k - 1)) + [PAD] * (n - k))
+        shape = (len(seq_ids), n)
+        return (torch.tensor(tokens, dtype=torch.int32).view(shape),
+                torch.tensor(parents, dtype=torch.int32).view(shape))
 
 
 def main() -> None:

@@ -107,7 +107,6 @@ class DraftEngine:
         check_request(req, self.env, self.proposer.vocab_size)
         self.release(req.released)
         ids = [u.seq_id for u in req.seqs]
-        tokens, parents = padding_trees(len(ids), self.env.num_nodes)
         try:
             live = [r for r, u in enumerate(req.seqs) if self._apply(u)]
             evicted = self._evict()
@@ -116,10 +115,11 @@ class DraftEngine:
                 tp0 = time.time_ns()
                 t, p = self.proposer.propose([ids[r] for r in live])
                 tp1 = time.time_ns()
-                if len(live) == len(ids):     # the usual case: a plain copy, no gather
-                    tokens.copy_(t)
-                    parents.copy_(p)
-                else:
+            if live and len(live) == len(ids):     # the usual case: the proposer's rows
+                tokens, parents = t, p
+            else:                                  # rows to resync get padding
+                tokens, parents = padding_trees(len(ids), self.env.num_nodes)
+                if live:
                     tokens[live], parents[live] = t, p
         except Exception:
             self.release(ids)   # never leave a half-applied state behind

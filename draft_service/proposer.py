@@ -17,7 +17,8 @@ Calling convention, per speculative step:
    ``[new_count, layers * hidden]`` target states, only for proposers that name
    ``target_hidden_layers``;
 3. ``propose(seq_ids)`` once for the batch: ``tokens, parents [B, N] int32``
-   rows in ``seq_ids`` order, padded with ``parents = -2, tokens = 0``.
+   host tensors, rows in ``seq_ids`` order, padded with ``parents = -2, tokens = 0``.
+   They are the proposer's to give away: the engine answers with them as they are.
 
 A proposer must tolerate anything the engine lets through (a state it dropped on
 its own, accepted nodes that do not match): it recomputes rather than fails.

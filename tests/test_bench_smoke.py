@@ -44,3 +44,6 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     assert 0 < r["hop_share_socket"] < 1 and e2e["hop_socket_ms"] > 0
     assert r["oracle4_decode_ratio"] > 0 and e2e["replay_b1"]["decode_tok_s"] > 0
     assert e2e["model_b1"]["fallback_steps"] == 0 and "error" not in e2e["model_b1"]
+    sched = e2e["replay_b1"]["sched"]      # the services' threads as the scheduler saw them
+    assert sched["verify"] and sched["draft"] and "steal_ms" in sched
+    assert max(t["run_ms"] for t in sched["verify"]) > 0

@@ -53,3 +53,39 @@ def test_validate_tree_reports_what_is_wrong():
     assert "padding" in validate_tree(tok, torch.tensor([[-2, 0]], dtype=torch.int32), 2, 10)
     assert "vocabulary" in validate_tree(torch.tensor([[3, 99]], dtype=torch.int32), ok, 2, 10)
     assert "[B, 3]" in validate_tree(tok, ok, 3, 10)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_small_and_large_tree_checks_agree(batch, monkeypatch):
+    """validate_tree checks small batches in Python and large ones with numpy: the
+    two must return the same verdict and message on every tree, good or broken."""
+    import common.tree as tree
+    g = torch.Generator().manual_seed(batch)
+    n, vocab = 8, 50
+
+    def rand(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi, (1,), generator=g))
+
+    seen: set[str | None] = set()
+    for _ in range(400):
+        # a random tree in topological order, then up to two random corruptions
+        parents = torch.tensor([[-1] + [rand(-1, i) for i in range(1, n)]
+                                for _ in range(batch)], dtype=torch.int32)
+        tokens = torch.randint(0, vocab, (batch, n), generator=g, dtype=torch.int32)
+        for _ in range(rand(0, 3)):
+            r, c, what = rand(0, batch), rand(0, n), rand(0, 4)
+            if what == 0:
+                parents[r, c] = rand(-3, n + 1)
+            elif what == 1:
+                tokens[r, c] = (-1, vocab, vocab + 7)[rand(0, 3)]
+            elif what == 2:
+                parents[r, c:] = tree.PAD          # a padded tail: fine
+            else:
+                parents[r, c] = tree.PAD           # its children now hang off padding
+        monkeypatch.setattr(tree, "SMALL_TREE_NODES", 10**9)
+        small = tree.validate_tree(tokens, parents, n, vocab)
+        monkeypatch.setattr(tree, "SMALL_TREE_NODES", -1)
+        large = tree.validate_tree(tokens, parents, n, vocab)
+        assert small == large, (parents.tolist(), tokens.tolist())
+        seen.add(small)
+    assert len(seen) == 4, seen        # good trees and all three kinds of flaw came up
