@@ -48,6 +48,8 @@ run)
                      >>"$log" 2>&1 ;;
         attention) timeout "${ATTN_S:-150}" python3 bench/attention_probe.py \
                        --out "$OUT/attention_probe.json" >>"$log" 2>&1 ;;
+        cold) timeout "${COLD_S:-90}" python3 bench/cold_probe.py --out "$OUT/cold_probe.json" \
+                  >>"$log" 2>&1 ;;
         hop) timeout "${HOP_S:-120}" python3 bench/hop_probe.py --out "$OUT/hop_probe.json" \
                  >>"$log" 2>&1 ;;
         esac

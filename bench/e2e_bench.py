@@ -273,6 +273,8 @@ AB_VARIANTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
                ("--local-socket", "auto"), ()),
     "draftsleep": ("replay with only the draft's busy polling off", ("--busy-poll", "off"), ()),
     "pinned": ("replay with the two services pinned to disjoint CPUs", (), ()),
+    "norehearse": ("replay with neither busy loop rehearsing the hop's host work",
+                   ("--rehearse", "off"), ("--rehearse", "off")),
 }
 
 

@@ -31,7 +31,7 @@ from bench.inproc_bench import (copy_bandwidth, hf_decode_tok_s, ours_from_hf,  
 
 
 AB_FLAGS = {"nopoll": "busy-poll", "socket": "socket", "draftsleep": "draft-sleep",
-            "pinned": "pin"}      # AB_VARIANTS key -> its --ab-* flag
+            "pinned": "pin", "norehearse": "no-rehearse"}   # AB_VARIANTS key -> its --ab-* flag
 
 
 def corrupt_for(tokens_per_step: float, depth: int) -> float:
@@ -165,6 +165,10 @@ def main() -> None:
             out["hop_share_socket"] = g["hop_ms"] / g["step_ms"] if "hop_ms" in g else None
             out["oracle4_tok_s_socket"] = g["tok_s"]
             out["hop_share_socket_idle_loop"] = r["hop_socket_idle_ms"] / step_ms
+        if "replay_b1_norehearse" in r:
+            n = r["replay_b1_norehearse"]
+            out["oracle4_tok_s_norehearse"] = n["tok_s"]
+            out["hop_share_norehearse"] = n["hop_ms"] / n["step_ms"] if "hop_ms" in n else None
         if "replay_b1_pinned" in r:
             p = r["replay_b1_pinned"]
             out["oracle4_tok_s_pinned"] = p["tok_s"]

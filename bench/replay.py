@@ -98,12 +98,14 @@ def main() -> None:
     ap.add_argument("--busy-poll", default="on", choices=["auto", "on", "off"],
                     help="as `treespec draft --busy-poll` (default on: the instrument stands "
                          "in for a draft on a GPU, where auto means on)")
+    ap.add_argument("--rehearse", default="on", choices=["on", "off"],
+                    help="as `treespec draft --rehearse`")
     a = ap.parse_args()
     from draft_service import server
     from draft_service.config import DraftConfig
     env = TreeEnvelope(depth=a.depth, topk=1, num_nodes=a.depth, name=f"chain{a.depth}")
     cfg = DraftConfig(method="ngram", envelope=env, host=a.host, port=a.port, device="cpu",
-                      busy_poll=a.busy_poll, local_socket=a.local_socket)
+                      busy_poll=a.busy_poll, rehearse=a.rehearse, local_socket=a.local_socket)
     records = json.loads(Path(a.continuations).read_text())
     server.run(cfg, proposer=ReplayProposer(records, a.depth, a.corrupt, a.vocab, a.accept))
 

@@ -54,6 +54,10 @@ def _add_runtime(p: argparse.ArgumentParser) -> None:
     p.add_argument("--busy-poll", choices=["auto", "on", "off"],
                    help="while steps flow, poll on the event loop instead of sleeping "
                         "(one busy core; default auto: on when the device is CUDA)")
+    p.add_argument("--rehearse", choices=["on", "off"],
+                   help="while busy polling, rerun the step's host work on throwaway data "
+                        "every 1 ms, so that code is warm in the CPU's caches when the "
+                        "real step comes (default on)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,7 +162,7 @@ def _fields(args: argparse.Namespace, names: Sequence[str]) -> dict:
 
 
 _RUNTIME = ("host", "port", "device", "dtype", "kernels", "num_blocks", "block_size",
-            "metrics_port", "busy_poll")
+            "metrics_port", "busy_poll", "rehearse")
 
 
 def _check_model(name: str | None) -> None:

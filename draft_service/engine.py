@@ -39,6 +39,8 @@ from draft_service.registry import build_proposer
 
 log = logging.getLogger(__name__)
 
+REHEARSAL_SEQ_ID = (1 << 64) - 1     # the largest id the wire carries (uint64)
+
 
 @dataclass
 class _SeqState:
@@ -134,6 +136,31 @@ class DraftEngine:
                           resync=resync)
         self.observer.step_finished(DraftStepRecord(req, batch, t0, tp0, tp1, time.time_ns()))
         return batch
+
+    def rehearse(self, req: SpecRequest, propose: bool) -> TreeBatch:
+        """A step's host work on a throwaway request, leaving no state behind (see
+        common.aio.LoopSpinner): the checks and, with propose, the proposer's update
+        (whole, then one token more), propose and release of each sequence. Its one
+        sequence is REHEARSAL_SEQ_ID, which no verify service reaches (they count
+        from 1); the engine's own sequence table and observer never see it."""
+        check_request(req, self.env, self.proposer.vocab_size)
+        ids = [u.seq_id for u in req.seqs]
+        if ids != [REHEARSAL_SEQ_ID]:
+            raise ValueError(f"a rehearsal has one sequence, id {REHEARSAL_SEQ_ID}")
+        if not propose:
+            tokens, parents = padding_trees(len(ids), self.env.num_nodes)
+            return TreeBatch(step_id=req.step_id, seq_ids=ids, tokens=tokens, parents=parents)
+        try:
+            for u in req.seqs:
+                self.proposer.update(u.seq_id, list(u.new_tokens), len(u.new_tokens), [], None)
+            self.proposer.propose(ids)
+            for u in req.seqs:
+                self.proposer.update(u.seq_id, [*u.new_tokens, u.new_tokens[-1]], 1, [0], None)
+            tokens, parents = self.proposer.propose(ids)
+        finally:
+            for s in ids:
+                self.proposer.release(s)
+        return TreeBatch(step_id=req.step_id, seq_ids=ids, tokens=tokens, parents=parents)
 
     def _apply(self, u: SeqUpdate) -> bool:
         """Bring one sequence up to date; False if it must resync."""

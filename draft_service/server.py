@@ -76,8 +76,9 @@ def build_engine(cfg: DraftConfig, proposer: Proposer | None,
 async def _start(cfg: DraftConfig, proposer: Proposer | None,
                  tracer_provider: TracerProvider | None = None
                  ) -> tuple[grpc.aio.Server, int, DrafterServicer]:
+    device_type = pick_device(cfg.device).type
     servicer = DrafterServicer(build_engine(cfg, proposer, tracer_provider),
-                               cfg.busy(pick_device(cfg.device).type))
+                               cfg.busy(device_type), cfg.rehearsing(device_type))
     address = cfg.local_address(servicer.instance_id)
     if address is not None:     # before the gRPC server: GetInfo may advertise it at once
         local = LocalServer(servicer, address)

@@ -29,12 +29,17 @@ import grpc
 from common import codec, frames, wire
 from common.aio import LoopSpinner
 from common.errors import InvalidRequest
-from draft_service.engine import DraftEngine
+from draft_service.engine import REHEARSAL_SEQ_ID, DraftEngine
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from draft_service.local_server import LocalServer
+
+
+# what a rehearsal decodes: one sequence of 8 tokens, an id no verify service uses
+_REHEARSAL = pb.SpeculateRequest(step_id=1, sequences=[pb.SequenceUpdate(
+    seq_id=REHEARSAL_SEQ_ID, committed_len=8, new_tokens=[1] * 8, full=True)])
 
 
 class StepOrder:
@@ -51,12 +56,17 @@ class StepOrder:
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
-    def __init__(self, engine: DraftEngine, busy_poll: bool = False) -> None:
+    def __init__(self, engine: DraftEngine, busy_poll: bool = False,
+                 rehearse: bool = False) -> None:
         self.engine = engine
-        self._spinner = LoopSpinner() if busy_poll else None   # see common.aio
+        self._inline = bool(getattr(engine.proposer, "light", False))
+        # see common.aio: a rehearsal runs on the loop, so it takes a light proposer
+        # through its paces and skips any other (whose real steps run on the worker)
+        self._rehearsal = _REHEARSAL.SerializeToString()
+        self._spinner = LoopSpinner(rehearse=self.rehearse if rehearse else None) \
+            if busy_poll else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
         self._staging = codec.Staging()
-        self._inline = bool(getattr(engine.proposer, "light", False))
         self.instance_id = frames.new_instance_id()
         self.local: LocalServer | None = None    # set by the server when it serves one
 
@@ -94,6 +104,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def _step(self, msg: pb.SpeculateRequest) -> pb.Proposal:
         batch = self.engine.step(wire.spec_request_from_pb(msg))
         return wire.tree_batch_to_pb(batch, self._staging)
+
+    def rehearse(self) -> None:
+        """This servicer's per-step host work on a throwaway request: decode, the
+        engine's checks (and a light proposer's work), encode."""
+        req = wire.spec_request_from_pb(pb.SpeculateRequest.FromString(self._rehearsal))
+        batch = self.engine.rehearse(req, propose=self._inline)
+        wire.tree_batch_to_pb(batch).SerializeToString()
 
     def close(self) -> None:
         """Stop the worker thread (after the server has stopped)."""

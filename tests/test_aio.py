@@ -1,5 +1,6 @@
 """The event-loop helpers: spin_until polls without sleeping; LoopSpinner keeps a
-loop awake for hold_s after each keep_hot(), then lets it sleep again."""
+loop awake for hold_s after each keep_hot(), then lets it sleep again, rehearsing
+while it spins."""
 
 from __future__ import annotations
 
@@ -42,3 +43,31 @@ def test_loop_spinner_spins_while_hot_and_stops_after_hold():
         return hot, parked, rewoken, ticks
     hot, parked, rewoken, ticks = asyncio.run(go())
     assert hot and parked and rewoken and ticks > 10
+
+
+def test_loop_spinner_rehearses_while_hot_only_and_stops_on_a_failure(caplog):
+    async def go():
+        calls = []
+        spinner = LoopSpinner(hold_s=0.05, rehearse=lambda: calls.append(1),
+                              rehearse_every_s=0.005)
+        spinner.keep_hot()
+        await asyncio.sleep(0.2)              # 50 ms hot, then parked
+        hot_calls = len(calls)
+        await asyncio.sleep(0.1)
+        parked_calls = len(calls) - hot_calls
+
+        def broken():
+            raise RuntimeError("boom")
+        spinner.rehearse = broken
+        spinner.keep_hot()
+        await asyncio.sleep(0.06)
+        off = spinner.rehearse is None
+        spinner.keep_hot()                    # still spins, without rehearsing
+        await asyncio.sleep(0.01)
+        alive = not spinner._task.done()
+        await spinner.close()
+        return hot_calls, parked_calls, off, alive, spinner.rehearsals
+    hot_calls, parked_calls, off, alive, count = asyncio.run(go())
+    # about one per 5 ms over 50 ms: a few to a dozen (a slow CI loop rehearses less)
+    assert 3 <= hot_calls <= 12 and parked_calls == 0 and count == hot_calls
+    assert off and alive and "rehearsal is off" in caplog.text

@@ -44,7 +44,7 @@ class Spy:
             raise RuntimeError("proposer bug")
         t = torch.zeros(len(seq_ids), N, dtype=torch.int32)
         p = torch.full((len(seq_ids), N), PAD, dtype=torch.int32)
-        t[:, 0] = torch.tensor(seq_ids, dtype=torch.int32)
+        t[:, 0] = torch.tensor([s % 100 for s in seq_ids], dtype=torch.int32)
         p[:, 0] = -1
         return t, p
 
@@ -181,3 +181,35 @@ def test_model_engine_resyncs_and_frees_pages(draft_dir):
         eng.step(SpecRequest(step_id=3, seqs=[full(3, [96])]))
     eng.step(SpecRequest(step_id=4, seqs=[], released=[1, 2]))
     assert blocks.num_free == start and eng.num_sequences == 0
+
+
+def test_rehearsals_between_steps_change_no_proposal_and_leave_no_state():
+    """The busy loop rehearses a step on a throwaway sequence between real steps
+    (common.aio.LoopSpinner): the real proposals must be exactly those of an engine
+    that never rehearsed, and nothing of the rehearsal may stay behind."""
+    from draft_service.servicer import DrafterServicer
+    text = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7, 8, 5, 6]
+    plain, rehearsed = ngram_engine(), ngram_engine()
+    servicer = DrafterServicer(rehearsed, busy_poll=True, rehearse=True)
+    for step in range(1, 6):
+        upd = [full(1, text[:8 + step]), full(2, text[:6 + step])]
+        servicer.rehearse()
+        want = plain.step(SpecRequest(step, upd))
+        got = rehearsed.step(SpecRequest(step, upd))
+        servicer.rehearse()
+        assert torch.equal(want.tokens, got.tokens) and torch.equal(want.parents, got.parents)
+    assert rehearsed.num_sequences == 2
+    assert set(rehearsed.proposer._index) == {1, 2}         # the ngram proposer's own table
+    servicer.close()
+
+
+def test_rehearsal_refuses_a_real_sequence_and_skips_a_heavy_proposer():
+    from draft_service.engine import REHEARSAL_SEQ_ID
+    eng, spy = spy_engine()
+    with pytest.raises(ValueError, match="rehearsal"):
+        eng.rehearse(SpecRequest(1, [full(3, [1, 2])]), propose=True)
+    batch = eng.rehearse(SpecRequest(1, [full(REHEARSAL_SEQ_ID, [1, 2])]), propose=False)
+    assert spy.updates == [] and (batch.parents == PAD).all()
+    batch = eng.rehearse(SpecRequest(1, [full(REHEARSAL_SEQ_ID, [1, 2])]), propose=True)
+    assert [u[2] for u in spy.updates] == [2, 1] and spy.released == [REHEARSAL_SEQ_ID]
+    assert eng.num_sequences == 0

@@ -105,3 +105,16 @@ def test_a_drafter_going_away_mid_wait_is_disconnected_at_once():
 
     why, waited, ready = asyncio.run(go())
     assert why == "disconnected" and waited < 2.0 and not ready
+
+
+def test_rehearsal_runs_the_hops_host_work_for_every_envelope():
+    """The verify loop rehearses encoding a request and decoding and checking a
+    proposal while it spins (common.aio.LoopSpinner): a no-op before the draft has
+    said its envelope, and it must pass its own checks for every preset."""
+    link = DraftLink("127.0.0.1:1", 1.0, vocab_size=100, num_layers=2)
+    link.rehearse()                       # not connected: nothing to rehearse yet
+    for env in PRESETS.values():
+        link.info = DrafterInfo(envelope=env, vocab_size=100, proposer="ngram",
+                                target_hidden_layers=(), model="")
+        link.rehearse()
+        assert link._rehearsal[0] is link.info

@@ -19,10 +19,12 @@ import time
 from typing import Literal
 
 import grpc
+import torch
 
 from common import codec, frames, wire
 from common.aio import cancel_and_wait, spin_until
-from common.spec_types import DrafterInfo, SpecRequest, TreeBatch
+from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, TreeBatch
+from common.tree import validate_tree
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
@@ -60,6 +62,7 @@ class DraftLink:
         # answer read, and the draft's own (read, sent; 0 from a draft that does not stamp)
         self.stamps: tuple[int, int, int, int] | None = None
         self._t_answer = 0
+        self._rehearsal: tuple[DrafterInfo, bytes] | None = None   # (for, proposal bytes)
 
     @property
     def ready(self) -> bool:
@@ -130,6 +133,26 @@ class DraftLink:
             log.info("draft's local socket %s not usable here (%s): steps by gRPC",
                      info.local_socket, e)
             return None
+
+    def rehearse(self) -> None:
+        """The hop's host work on throwaway data (common.aio.LoopSpinner keeps it warm):
+        encode a one-sequence request, decode and check a chain proposal."""
+        info = self.info
+        if info is None:
+            return
+        if self._rehearsal is None or self._rehearsal[0] is not info:
+            n = info.envelope.num_nodes
+            answer = pb.Proposal(step_id=1, seq_ids=[1], tokens=codec.encode(
+                torch.zeros(1, n, dtype=torch.int32)), parents=codec.encode(
+                torch.arange(-1, n - 1, dtype=torch.int32).view(1, n)))
+            self._rehearsal = (info, answer.SerializeToString())
+        req = SpecRequest(1, [SeqUpdate(seq_id=1, committed_len=9, new_tokens=[1, 2, 3, 4],
+                                        accepted_nodes=[0, 1, 2], accepted_step_id=0)])
+        wire.spec_request_to_pb(req).SerializeToString()
+        tree = wire.tree_batch_from_pb(pb.Proposal.FromString(self._rehearsal[1]))
+        if validate_tree(tree.tokens, tree.parents, info.envelope.num_nodes,
+                         self.vocab_size) is not None:
+            raise RuntimeError("the rehearsal's own proposal failed its checks")
 
     def _deliver(self, msg: pb.Proposal) -> None:
         """Hand the awaited answer to propose(); a late answer to a step that already

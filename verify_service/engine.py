@@ -40,7 +40,7 @@ class VerifyEngine:
     def __init__(self, model: Qwen3Model, num_blocks: int, block_size: int, max_batch: int,
                  max_model_len: int, prefill_tokens: int, step_deadline_s: float,
                  link: DraftLink | None = None, kernels: str = "auto",
-                 step_mode: str = "auto", busy_poll: bool = False,
+                 step_mode: str = "auto", busy_poll: bool = False, rehearse: bool = False,
                  observer: EngineObserver | None = None) -> None:
         self.model = model
         self.spec = model.spec
@@ -49,7 +49,8 @@ class VerifyEngine:
         fixed = step_mode == "fixed" or (step_mode == "auto" and model.device.type == "cuda")
         self.verifier = GraphVerifier(model, self.cache, ops) if fixed else \
             Verifier(model, self.cache, ops)
-        self.runner = StepRunner(self.verifier, busy_poll)
+        self.runner = StepRunner(self.verifier, busy_poll,
+                                 link.rehearse if link is not None and rehearse else None)
         self.max_batch = max_batch
         self.max_model_len = max_model_len or model.spec.max_position
         self.prefill_tokens = prefill_tokens

@@ -56,7 +56,8 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
     engine = VerifyEngine(model, cfg.num_blocks, cfg.block_size, cfg.max_batch,
                           cfg.max_model_len, cfg.prefill_tokens, cfg.step_deadline_ms / 1000,
                           link=link, kernels=cfg.kernels, step_mode=cfg.step_mode,
-                          busy_poll=cfg.busy(device.type), observer=observer)
+                          busy_poll=cfg.busy(device.type),
+                          rehearse=cfg.rehearsing(device.type), observer=observer)
     if metrics is not None:
         metrics.watch(engine)
         metrics.serve(cfg.host, cfg.metrics_port)

@@ -12,6 +12,7 @@ It keeps one core busy while requests run.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -23,12 +24,19 @@ from verify_service.verifier import StepResult, Verifier
 
 
 class StepRunner:
-    def __init__(self, verifier: Verifier, busy_poll: bool) -> None:
+    def __init__(self, verifier: Verifier, busy_poll: bool,
+                 rehearse: Callable[[], None] | None = None) -> None:
         self.verifier = verifier
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="treespec-verify")
-        self._spinner = LoopSpinner() if busy_poll else None
+        # rehearse: the hop's host work, kept warm while the loop spins (common.aio)
+        self._spinner = LoopSpinner(rehearse=rehearse) if busy_poll else None
         # launch captured steps from the loop (fixed steps only)
         self.poll_device = busy_poll and isinstance(verifier, GraphVerifier)
+
+    @property
+    def rehearsals(self) -> int:
+        """How many times the spinning loop has rehearsed the hop so far."""
+        return self._spinner.rehearsals if self._spinner is not None else 0
 
     def keep_hot(self) -> None:
         """A step begins: keep the loop awake through its hop and forward."""
