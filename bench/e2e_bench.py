@@ -27,12 +27,12 @@ BENCH = Path(__file__).resolve().parent
 
 
 def start(name: str, argv: list[str], timeout: float = 600,
-          cpus: set[int] | None = None) -> ServiceProcess:
-    """A service process; cpus pins it (and its threads) to those CPUs."""
+          cpus: set[int] | None = None, env: dict[str, str] | None = None) -> ServiceProcess:
+    """A service process; cpus pins it (and its threads) to those CPUs; env adds variables."""
     if cpus:
         argv = [sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, "
                 f"{sorted(cpus)}); os.execv(sys.argv[1], sys.argv[1:])", *argv]
-    svc = ServiceProcess(name, argv, env=child_env())
+    svc = ServiceProcess(name, argv, env=child_env(env))
     svc.wait_listening(timeout)
     return svc
 
@@ -196,7 +196,8 @@ def replay_phase(target: str, device: str, work: Path, label: str, drafting: tup
                  sets: dict[int, list[list[int]]], max_tokens: int,
                  refs: dict[int, list[list[int]]], plain: dict[int, list[list[int]]],
                  res: dict, hop: bool = False, draft_extra: tuple[str, ...] = (),
-                 verify_extra: tuple[str, ...] = (), pin: bool = False
+                 verify_extra: tuple[str, ...] = (), pin: bool = False,
+                 env: dict[str, str] | None = None
                  ) -> dict[int, list[list[int]]]:
     """Both services with the replay instrument proposing refs (drafting: its
     --corrupt / --accept flags); returns the outputs."""
@@ -206,9 +207,9 @@ def replay_phase(target: str, device: str, work: Path, label: str, drafting: tup
     v_cpus, d_cpus = disjoint_cpus() if pin else (None, None)
     d = start(f"{label}-draft", [sys.executable, str(BENCH / "replay.py"), "--continuations",
                                  str(cont), *drafting, "--port", "0", *draft_extra],
-              cpus=d_cpus)
+              cpus=d_cpus, env=env)
     v = start("verify", verify_argv(target, device, d.addr, max(sets), verify_extra),
-              cpus=v_cpus)
+              cpus=v_cpus, env=env)
     outs: dict[int, list[list[int]]] = {}
     try:
         for b, prompts in sets.items():
@@ -275,7 +276,12 @@ AB_VARIANTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "pinned": ("replay with the two services pinned to disjoint CPUs", (), ()),
     "norehearse": ("replay with neither busy loop rehearsing the hop's host work",
                    ("--rehearse", "off"), ("--rehearse", "off")),
+    "loudspin": ("replay with both busy loops polling the kernel at every turn "
+                 "(TREESPEC_SPIN_QUIET_US=0)", (), ()),
 }
+
+
+VARIANT_ENV = {"loudspin": {"TREESPEC_SPIN_QUIET_US": "0"}}    # variables a variant sets
 
 
 def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
@@ -320,6 +326,7 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
         replay_phase(target, device, work, "replay", drafting, {b: sets[b]}, max_tokens,
                      {b: refs[b]}, {b: plain[b]}, variant, hop=suffix == "socket",
                      draft_extra=draft_extra, verify_extra=verify_extra,
+                     env=VARIANT_ENV.get(suffix),
                      pin=suffix == "pinned")
         for k in ("hop_socket_ms", "hop_socket_idle_ms"):      # the standalone loops
             if k in variant:

@@ -31,7 +31,8 @@ from bench.inproc_bench import (copy_bandwidth, hf_decode_tok_s, ours_from_hf,  
 
 
 AB_FLAGS = {"nopoll": "busy-poll", "socket": "socket", "draftsleep": "draft-sleep",
-            "pinned": "pin", "norehearse": "no-rehearse"}   # AB_VARIANTS key -> its --ab-* flag
+            "pinned": "pin", "norehearse": "no-rehearse",
+            "loudspin": "loud-spin"}      # AB_VARIANTS key -> its --ab-* flag
 
 
 def corrupt_for(tokens_per_step: float, depth: int) -> float:
@@ -165,14 +166,11 @@ def main() -> None:
             out["hop_share_socket"] = g["hop_ms"] / g["step_ms"] if "hop_ms" in g else None
             out["oracle4_tok_s_socket"] = g["tok_s"]
             out["hop_share_socket_idle_loop"] = r["hop_socket_idle_ms"] / step_ms
-        if "replay_b1_norehearse" in r:
-            n = r["replay_b1_norehearse"]
-            out["oracle4_tok_s_norehearse"] = n["tok_s"]
-            out["hop_share_norehearse"] = n["hop_ms"] / n["step_ms"] if "hop_ms" in n else None
-        if "replay_b1_pinned" in r:
-            p = r["replay_b1_pinned"]
-            out["oracle4_tok_s_pinned"] = p["tok_s"]
-            out["hop_share_pinned"] = p["hop_ms"] / p["step_ms"] if "hop_ms" in p else None
+        for key in ("norehearse", "loudspin", "pinned"):     # the other replay variants
+            if f"replay_b1_{key}" in r:
+                n = r[f"replay_b1_{key}"]
+                out[f"oracle4_tok_s_{key}"] = n["tok_s"]
+                out[f"hop_share_{key}"] = n["hop_ms"] / n["step_ms"] if "hop_ms" in n else None
         out["batch_tok_s"] = {str(b): {"plain": r[f"plain_b{b}"]["tok_s"],
                                        "spec": r[f"replay_b{b}"]["tok_s"]} for b in batches}
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import time
 from collections.abc import Callable
 
 log = logging.getLogger("treespec.aio")
@@ -24,6 +26,20 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
+
+
+# Between two turns of a spinning loop, wait this long in plain Python (no system
+# call) before the loop polls the kernel again: on the H200 host, code run after a
+# 5 ms gap spent polling epoll took 1.5 x as long as after a pure-Python gap
+# (bench/cold_probe.py). A message waits at most this long for the loop to see it.
+# TREESPEC_SPIN_QUIET_US=0 polls at every turn.
+SPIN_QUIET_S = float(os.environ.get("TREESPEC_SPIN_QUIET_US", "20")) / 1e6
+
+
+def _wait_quietly(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 class LoopSpinner:
@@ -49,8 +65,9 @@ class LoopSpinner:
     """
 
     def __init__(self, hold_s: float = 0.02, rehearse: Callable[[], None] | None = None,
-                 rehearse_every_s: float = 0.001) -> None:
+                 rehearse_every_s: float = 0.001, quiet_s: float | None = None) -> None:
         self.hold_s = hold_s
+        self.quiet_s = SPIN_QUIET_S if quiet_s is None else quiet_s
         self.rehearse = rehearse
         self.rehearse_every_s = rehearse_every_s
         self.rehearsals = 0
@@ -76,6 +93,8 @@ class LoopSpinner:
                 if self.rehearse is not None and now >= due:
                     self._rehearse()
                     due = loop.time() + self.rehearse_every_s
+                if self.quiet_s:
+                    _wait_quietly(self.quiet_s)
                 await asyncio.sleep(0)
             self._wake.clear()
 

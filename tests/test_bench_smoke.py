@@ -18,7 +18,7 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "bench" / "h200.py"), "--out", str(out),
                     "--target-shape", "tiny", "--draft-shape", "tiny", "--device", "cpu",
                     "--ctx", "32", "--max-tokens", "16", "--batches", "1,2", "--nodes", "0,4",
-                    "--ab-busy-poll", "--ab-socket", "--ab-no-rehearse",
+                    "--ab-busy-poll", "--ab-socket", "--ab-no-rehearse", "--ab-loud-spin",
                     "--work", str(tmp_path / "work")],
                    check=True, timeout=300, cwd=ROOT, capture_output=True)
     r = json.loads(out.read_text())
@@ -42,9 +42,21 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     assert e2e["replay_b1_nopoll"]["lossless"] and e2e["plain_b1_nopoll"]["tok_s"] > 0
     assert e2e["replay_b1_socket"]["lossless"] and r["oracle4_tok_s_socket"] > 0
     assert e2e["replay_b1_norehearse"]["lossless"] and r["oracle4_tok_s_norehearse"] > 0
+    assert e2e["replay_b1_loudspin"]["lossless"] and r["hop_share_loudspin"] > 0
     assert 0 < r["hop_share_socket"] < 1 and e2e["hop_socket_ms"] > 0
     assert r["oracle4_decode_ratio"] > 0 and e2e["replay_b1"]["decode_tok_s"] > 0
     assert e2e["model_b1"]["fallback_steps"] == 0 and "error" not in e2e["model_b1"]
     sched = e2e["replay_b1"]["sched"]      # the services' threads as the scheduler saw them
     assert sched["verify"] and sched["draft"] and "steal_ms" in sched
     assert max(t["run_ms"] for t in sched["verify"]) > 0
+
+
+def test_cold_probe_times_the_hop_work_after_each_kind_of_gap(tmp_path):
+    out = tmp_path / "cold.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "cold_probe.py"), "--out", str(out),
+                    "--iters", "15", "--gap-ms", "0.2"],
+                   check=True, timeout=120, cwd=ROOT, capture_output=True)
+    r = json.loads(out.read_text())
+    assert set(r["work_us"]) >= {"back_to_back", "sleep", "spin_python", "spin_epoll",
+                                 "spin_asyncio"} and min(r["work_us"].values()) > 0
+    assert r["host"]["clocksource"] or r["host"]["model"]
