@@ -92,7 +92,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         request was read (received_ns) and when the answer leaves."""
         if self._spinner is not None:   # the next step's request is a forward away
             self._spinner.keep_hot()
-        if self._inline:
+        if not msg.sequences and not msg.released:      # a warm-up ping (see the proto)
+            reply = pb.Proposal(step_id=msg.step_id)
+        elif self._inline:
             reply = self._step(msg)
         else:
             reply = await asyncio.get_running_loop().run_in_executor(self._worker, self._step,

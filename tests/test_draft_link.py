@@ -118,3 +118,41 @@ def test_rehearsal_runs_the_hops_host_work_for_every_envelope():
                                 target_hidden_layers=(), model="")
         link.rehearse()
         assert link._rehearsal[0] is link.info
+
+
+def test_a_warm_up_ping_is_answered_apart_and_the_next_step_gets_its_own_tree():
+    """A ping (an empty request) goes out while the forward runs; a slow answer to it
+    must neither be taken for the next step's proposal nor make that step 'busy'."""
+    async def go():
+        server, link = await _linked(ScriptedDrafter({2: 0.1}))
+        try:
+            first = await link.propose(_req(1), 1.0)
+            sent = link.ping(2)                     # answered 0.1 s later
+            again = link.ping(3)                    # one ping at a time
+            nxt = await link.propose(_req(4), 1.0)  # asked before the ping's answer
+            return first, sent, again, nxt, link.pings, link._ping
+        finally:
+            await link.close()
+            await server.stop(0.2)
+
+    first, sent, again, nxt, pings, pending = asyncio.run(go())
+    assert isinstance(first, TreeBatch) and sent and not again
+    assert isinstance(nxt, TreeBatch) and nxt.step_id == 4 and bool((nxt.tokens == 4).all())
+    assert pings == 1 and pending is None
+
+
+def test_no_ping_while_the_draft_is_away_or_still_on_a_step():
+    async def go():
+        link = DraftLink("127.0.0.1:1", 1.0, vocab_size=64, num_layers=2)
+        away = link.ping(1)
+        server, link2 = await _linked(ScriptedDrafter({2: 0.3}))
+        try:
+            late = await link2.propose(_req(2), 0.05)
+            busy = link2.ping(3)
+            return away, late, busy
+        finally:
+            await link2.close()
+            await server.stop(0.2)
+
+    away, late, busy = asyncio.run(go())
+    assert not away and late == "deadline" and not busy

@@ -193,3 +193,20 @@ def test_run_serves_until_sigterm():
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err
+
+
+def test_a_warm_up_ping_is_answered_empty_and_touches_no_state():
+    """An empty SpeculateRequest is a ping (see the proto): an empty Proposal under the
+    same step id, no engine step; the steps around it are served as usual."""
+    async def body(ch, engine):
+        stub = pb_grpc.DrafterStub(ch)
+        out = await stream(stub, [req(1, [full(1, [1, 2, 3, 1, 2])]),
+                                  pb.SpeculateRequest(step_id=2), req(3, [SeqUpdate(1, 6, [3])])])
+        ping = out[1]
+        assert [p.step_id for p in out] == [1, 2, 3]
+        assert not ping.seq_ids and not ping.HasField("tokens") and not ping.HasField("parents")
+        assert ping.sent_unix_ns >= ping.received_unix_ns > 0
+        last = wire.tree_batch_from_pb(out[2])
+        assert last.resync == [] and last.tokens[0, 0].item() == 1       # 1 2 3 1 2 3 -> 1
+        assert engine.num_sequences == 1
+    serve(DraftConfig(method="ngram", envelope=ENV), body)

@@ -28,7 +28,7 @@ from verify_service.draft_link import DraftLink, Fallback
 from verify_service.graph_verifier import GraphVerifier
 from verify_service.observer import EngineObserver, NullObserver, StepRecord, hop_parts
 from verify_service.hidden_states import HiddenBuffer, hidden_rows_for
-from verify_service.request import GenRequest
+from verify_service.request import GenRequest, check_request
 from verify_service.sequence import Sequence, batch_trees
 from verify_service.step_runner import StepRunner
 from verify_service.verifier import Verifier
@@ -51,6 +51,7 @@ class VerifyEngine:
             Verifier(model, self.cache, ops)
         self.runner = StepRunner(self.verifier, busy_poll,
                                  link.rehearse if link is not None and rehearse else None)
+        self.rehearse = rehearse        # also: a warm-up ping to the draft in each forward
         self.max_batch = max_batch
         self.max_model_len = max_model_len or model.spec.max_position
         self.prefill_tokens = prefill_tokens
@@ -96,17 +97,7 @@ class VerifyEngine:
             self._wake.set()
 
     def _check(self, req: GenRequest) -> None:
-        if not req.prompt_ids:
-            raise InvalidRequest("the prompt is empty")
-        if req.max_tokens <= 0:
-            raise InvalidRequest(f"max_tokens must be > 0, got {req.max_tokens}")
-        bad = [t for t in req.prompt_ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary "
-                                 f"[0, {self.spec.vocab_size})")
-        if len(req.prompt_ids) >= self.max_model_len:
-            raise InvalidRequest(f"prompt of {len(req.prompt_ids)} tokens leaves no room in "
-                                 f"max_model_len {self.max_model_len}")
+        check_request(req, self.spec.vocab_size, self.max_model_len)
         if self._pages_for(req) > self.cache.blocks.num_blocks:
             raise InvalidRequest("prompt + max_tokens need more KV pages than the service has")
 
@@ -258,15 +249,22 @@ class VerifyEngine:
                 s.draft_synced = False
         return got, None
 
-    def _observe_step(self, batch: int, rows: list[tuple[Sequence, int, int, int, int]],
-                      tree: TreeBatch | None, reason: Fallback | None, asked: bool,
+    def _ping_draft(self) -> None:
+        """The forward is on the device: warm the draft link's path for the next step."""
+        self._step_id += 1
+        self.link.ping(self._step_id)
+
+    def _observe_step(self, step_id: int, batch: int,
+                      rows: list[tuple[Sequence, int, int, int, int]],
+                      tree: TreeBatch | None, reason: Fallback | None,
                       t0: int, t1: int, t2: int) -> None:
-        """Tell the observer what the step did; rows: (seq, drafted, depth, accepted, kept)."""
+        """Tell the observer what the step did; rows: (seq, drafted, depth, accepted, kept);
+        step_id 0 when the draft was not asked."""
         if isinstance(self.observer, NullObserver):
             return                       # telemetry off: not even a record is built
         seqs = [r[0] for r in rows]
         self.observer.step_finished(StepRecord(
-            step_id=self._step_id if asked else 0, batch=batch,
+            step_id=step_id, batch=batch,
             seq_ids=[s.seq_id for s in seqs], request_ids=[s.req.request_id for s in seqs],
             drafted=[r[1] for r in rows], depth=[r[2] for r in rows],
             accepted=[r[3] for r in rows], committed=[r[4] for r in rows],
@@ -274,7 +272,7 @@ class VerifyEngine:
                       for s, d, *_ in rows],
             reason=reason, envelope=self.link.info.envelope if tree is not None else None,
             t_start=t0, t_drafted=t1, t_verified=t2, t_end=time.time_ns(),
-            hop_parts=hop_parts(t0, t1, self.link.stamps) if asked and self.link else {}))
+            hop_parts=hop_parts(t0, t1, self.link.stamps) if step_id and self.link else {}))
         for s in seqs:
             if s.finish is not None:
                 self.observer.finished(s)
@@ -308,8 +306,11 @@ class VerifyEngine:
         if tree is not None:
             tokens, parents = batch_trees(seqs, spec_seqs, tree)
             depth = self.link.info.envelope.depth
+        step_id = self._step_id
         res = await self.runner.step([s.pages for s in seqs], [s.tokens[-1] for s in seqs],
-                                     tokens, parents, depth)
+                                     tokens, parents, depth,
+                                     self._ping_draft if tree is not None and self.rehearse
+                                     else None)
         t2 = time.time_ns()
         rows: list[tuple[Sequence, int, int, int, int]] = []
         tok_l = tokens.tolist() if tokens is not None else None
@@ -339,5 +340,5 @@ class VerifyEngine:
                 s.hidden = None
             s.emit(kept)
         asked = bool(spec_seqs) and reason not in ("no_draft", "disconnected")
-        self._observe_step(len(seqs), rows, tree, reason, asked, t0, t1, t2)
+        self._observe_step(step_id if asked else 0, len(seqs), rows, tree, reason, t0, t1, t2)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from common.errors import InvalidRequest
+
 FinishReason = Literal["length", "stop", "cancelled"]
 
 
@@ -16,6 +18,21 @@ class GenRequest:
     ignore_eos: bool = False
     no_speculation: bool = False
     request_id: str = ""
+
+
+def check_request(req: GenRequest, vocab_size: int, max_model_len: int) -> None:
+    """Raise InvalidRequest, saying what is wrong, for a request no model could serve."""
+    if not req.prompt_ids:
+        raise InvalidRequest("the prompt is empty")
+    if req.max_tokens <= 0:
+        raise InvalidRequest(f"max_tokens must be > 0, got {req.max_tokens}")
+    bad = [t for t in req.prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary "
+                             f"[0, {vocab_size})")
+    if len(req.prompt_ids) >= max_model_len:
+        raise InvalidRequest(f"prompt of {len(req.prompt_ids)} tokens leaves no room in "
+                             f"max_model_len {max_model_len}")
 
 
 @dataclass

@@ -48,13 +48,17 @@ class StepRunner:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def step(self, pages: list[SeqPages], roots: list[int], tokens: torch.Tensor | None,
-                   parents: torch.Tensor | None, depth: int) -> StepResult:
+                   parents: torch.Tensor | None, depth: int,
+                   on_launch: Callable[[], None] | None = None) -> StepResult:
         """verifier.step, launched from the loop and polled when busy polling and its
-        graph is captured (a capture takes seconds: that one runs in the worker)."""
+        graph is captured (a capture takes seconds: that one runs in the worker).
+        on_launch runs on the loop once a polled step is on the device."""
         n = 0 if tokens is None else tokens.shape[1]
         if not (self.poll_device and self.verifier.captured(pages, n)):
             return await self.compute(self.verifier.step, pages, roots, tokens, parents, depth)
         pending = self.verifier.launch(pages, roots, tokens, parents, depth)
+        if on_launch is not None:
+            on_launch()
         await spin_until(pending.ready)
         return self.verifier.finish(pending)
 
