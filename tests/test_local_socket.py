@@ -42,17 +42,16 @@ def test_carrier_choice_is_lossless(target_dir, tmp_path, draft_socket, local_so
     draft_kw = {} if local_socket is None else {"local_socket": local_socket}
 
     async def go():
-        # fixed steps, polled: a warm-up ping travels the carrier in every forward too
+        # fixed steps, polled from the loop, as on a GPU
         async with services(target_dir, "model", target_dir, "chain4",
                             draft_kw=draft_kw, draft_socket=draft_socket,
                             step_mode="fixed", busy_poll="on") as h:
             assert h["engine"].link.carrier == carrier
             async with AsyncTreespecClient(h["addr"]) as c:
                 out = await c.generate(prompt_ids=PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True)
-            return out, h["engine"].kv_pages_used, h["engine"].link.pings
+            return out, h["engine"].kv_pages_used
 
-    out, used, pings = asyncio.run(go())
-    assert pings > 0
+    out, used = asyncio.run(go())
     assert out.token_ids == greedy_reference(target_dir, PROMPT, MAX_TOKENS)
     assert out.stats["fallback_steps"] == 0 and out.stats["accepted_tokens"] > 0
     assert used == 0

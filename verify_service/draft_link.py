@@ -63,9 +63,6 @@ class DraftLink:
         self.stamps: tuple[int, int, int, int] | None = None
         self._t_answer = 0
         self._rehearsal: tuple[DrafterInfo, bytes] | None = None   # (for, proposal bytes)
-        self._ping: int | None = None            # step id of the warm-up ping in flight
-        self._ping_write: asyncio.Task | None = None
-        self.pings = 0                           # answered warm-up pings
 
     @property
     def ready(self) -> bool:
@@ -83,7 +80,7 @@ class DraftLink:
         call, channel = self._call, self._channel
         self._call = self._channel = None
         self.carrier = ""
-        self._outstanding = self._ping = None
+        self._outstanding = None
         self._wake(_DROPPED)
         if call is not None:
             call.cancel()
@@ -157,31 +154,9 @@ class DraftLink:
                          self.vocab_size) is not None:
             raise RuntimeError("the rehearsal's own proposal failed its checks")
 
-    def ping(self, step_id: int) -> bool:
-        """Send a warm-up ping (an empty request, see the proto) under step_id, unless
-        the draft is away or still on an earlier step or ping. Its answer only clears
-        it. Sent while a forward runs, it runs the carrier's code on both ends, which
-        would otherwise have gone cold by the time the next step's request is sent."""
-        if not self.ready or self._outstanding is not None or self._ping is not None:
-            return False
-        self._ping = step_id
-        self._ping_write = asyncio.get_running_loop().create_task(
-            self._write_ping(pb.SpeculateRequest(step_id=step_id)))
-        return True
-
-    async def _write_ping(self, msg: pb.SpeculateRequest) -> None:
-        try:
-            await self._call.write(msg)
-        except Exception as e:  # noqa: BLE001 - the next real step finds the link down
-            log.debug("warm-up ping not sent: %s", e)
-
     def _deliver(self, msg: pb.Proposal) -> None:
         """Hand the awaited answer to propose(); a late answer to a step that already
         timed out only frees the draft for the next step (never applied)."""
-        if msg.step_id == self._ping:
-            self._ping = None
-            self.pings += 1
-            return
         if msg.step_id != self._outstanding:
             return
         if self._waiter is not None and not self._waiter.done():
@@ -211,8 +186,6 @@ class DraftLink:
         timer = loop.call_later(timeout_s, _settle, waiter, _EXPIRED)
         try:
             msg_out = wire.spec_request_to_pb(req, self._staging)
-            if self._ping_write is not None and not self._ping_write.done():
-                await self._ping_write              # one write at a time on the stream
             t_sent = time.time_ns()                 # handed to the carrier
             await self._call.write(msg_out)
             if self.busy_poll:

@@ -51,7 +51,6 @@ class VerifyEngine:
             Verifier(model, self.cache, ops)
         self.runner = StepRunner(self.verifier, busy_poll,
                                  link.rehearse if link is not None and rehearse else None)
-        self.rehearse = rehearse        # also: a warm-up ping to the draft in each forward
         self.max_batch = max_batch
         self.max_model_len = max_model_len or model.spec.max_position
         self.prefill_tokens = prefill_tokens
@@ -249,11 +248,6 @@ class VerifyEngine:
                 s.draft_synced = False
         return got, None
 
-    def _ping_draft(self) -> None:
-        """The forward is on the device: warm the draft link's path for the next step."""
-        self._step_id += 1
-        self.link.ping(self._step_id)
-
     def _observe_step(self, step_id: int, batch: int,
                       rows: list[tuple[Sequence, int, int, int, int]],
                       tree: TreeBatch | None, reason: Fallback | None,
@@ -308,9 +302,7 @@ class VerifyEngine:
             depth = self.link.info.envelope.depth
         step_id = self._step_id
         res = await self.runner.step([s.pages for s in seqs], [s.tokens[-1] for s in seqs],
-                                     tokens, parents, depth,
-                                     self._ping_draft if tree is not None and self.rehearse
-                                     else None)
+                                     tokens, parents, depth)
         t2 = time.time_ns()
         rows: list[tuple[Sequence, int, int, int, int]] = []
         tok_l = tokens.tolist() if tokens is not None else None

@@ -23,11 +23,6 @@ from verify_service.graph_verifier import GraphVerifier
 from verify_service.verifier import StepResult, Verifier
 
 
-# how long before a polled forward's expected end on_launch runs: a cold round trip to
-# the draft (the warm-up ping) takes 0.7-0.9 ms on an H200 host
-ON_LAUNCH_LEAD_S = 0.0015
-
-
 class StepRunner:
     def __init__(self, verifier: Verifier, busy_poll: bool,
                  rehearse: Callable[[], None] | None = None) -> None:
@@ -37,7 +32,6 @@ class StepRunner:
         self._spinner = LoopSpinner(rehearse=rehearse) if busy_poll else None
         # launch captured steps from the loop (fixed steps only)
         self.poll_device = busy_poll and isinstance(verifier, GraphVerifier)
-        self._forward_s: dict[tuple[int, int], float] = {}   # (batch, nodes) -> mean forward
 
     @property
     def rehearsals(self) -> int:
@@ -54,29 +48,14 @@ class StepRunner:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def step(self, pages: list[SeqPages], roots: list[int], tokens: torch.Tensor | None,
-                   parents: torch.Tensor | None, depth: int,
-                   on_launch: Callable[[], None] | None = None) -> StepResult:
+                   parents: torch.Tensor | None, depth: int) -> StepResult:
         """verifier.step, launched from the loop and polled when busy polling and its
-        graph is captured (a capture takes seconds: that one runs in the worker).
-        on_launch runs on the loop while a polled step is on the device, ON_LAUNCH_LEAD_S
-        before the forward is expected to end (at launch until its time is known)."""
+        graph is captured (a capture takes seconds: that one runs in the worker)."""
         n = 0 if tokens is None else tokens.shape[1]
         if not (self.poll_device and self.verifier.captured(pages, n)):
             return await self.compute(self.verifier.step, pages, roots, tokens, parents, depth)
-        loop = asyncio.get_running_loop()
-        shape, t0 = (len(pages), n), loop.time()
         pending = self.verifier.launch(pages, roots, tokens, parents, depth)
-        timer = None
-        if on_launch is not None:    # timed to end shortly before this shape's forward does
-            lead = self._forward_s.get(shape, 0.0) - ON_LAUNCH_LEAD_S
-            timer = loop.call_later(lead, on_launch) if lead > 0 else None
-            if timer is None:
-                on_launch()
         await spin_until(pending.ready)
-        if timer is not None:
-            timer.cancel()           # the forward beat it: too late to help this step
-        took = loop.time() - t0
-        self._forward_s[shape] = 0.8 * self._forward_s.get(shape, took) + 0.2 * took
         return self.verifier.finish(pending)
 
     async def close(self) -> None:
