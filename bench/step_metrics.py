@@ -1,0 +1,55 @@
+"""The verify service's per-step histograms, read off its /metrics between two marks:
+mean milliseconds per engine step of the step, the hop (and its parts) and the
+target forward, for the end-to-end bench (bench/e2e_bench.py)."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+from common.launch import ServiceProcess
+from verify_service.observer import HOP_PARTS
+
+HOP_PART = "treespec:draft_hop_part_seconds"     # labelled {part}: verify's hop_parts
+STEP_PARTS = {"step": "treespec:step_seconds", "hop": "treespec:draft_hop_seconds",
+              **{f"hop_{p}": f"{HOP_PART}|{p}" for p in HOP_PARTS},
+              "verify": "treespec:verify_forward_seconds"}
+
+
+def metrics_url(svc: ServiceProcess) -> str | None:
+    """The service's /metrics address, from its `metrics on URL` log line."""
+    m = re.search(r"metrics on (http://\S+/metrics)", svc.output())
+    return m.group(1) if m else None
+
+
+def step_sums(url: str | None) -> dict[str, tuple[float, float]]:
+    """(sum seconds, count) of the verify service's per-step histograms."""
+    if url is None:
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    got: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            part = smp.labels.get("part")
+            name = smp.name if part is None else f"{smp.name}|{part}"
+            got[name] = got.get(name, 0.0) + smp.value
+
+    def series(name: str, suffix: str) -> float:        # "metric|part" -> "metric_sum|part"
+        base, _, part = name.partition("|")
+        return got.get(base + suffix + (f"|{part}" if part else ""), 0.0)
+
+    return {k: (series(n, "_sum"), series(n, "_count")) for k, n in STEP_PARTS.items()}
+
+
+def step_breakdown(before: dict, after: dict) -> dict[str, float]:
+    """Mean ms per engine step of each part over the timed run, and the rest
+    (engine, servicer and streaming work around the hop and the forward)."""
+    out: dict[str, float] = {}
+    for k in STEP_PARTS:
+        if k in before and k in after and after[k][1] > before[k][1]:
+            out[k + "_ms"] = 1000 * (after[k][0] - before[k][0]) / (after[k][1] - before[k][1])
+    if "step_ms" in out:
+        out["rest_ms"] = out["step_ms"] - out.get("hop_ms", 0.0) - out.get("verify_ms", 0.0)
+    return out
