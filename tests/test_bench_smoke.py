@@ -37,6 +37,8 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     assert 0 < r["hop_share"] < 1
     hop = e2e["replay_b1"]      # the hop by part: send + wait + read, wait by its legs
     assert hop["hop_send_ms"] + hop["hop_wait_ms"] + hop["hop_read_ms"] <= hop["hop_ms"] * 1.001
+    tail = hop["hop_over_ms"]            # shares of hops over 1, 2 and 4 ms: falling
+    assert set(tail) == {"1", "2", "4"} and 1 >= tail["1"] >= tail["2"] >= tail["4"] >= 0
     assert abs(hop["hop_to_draft_ms"] + hop["hop_draft_ms"] + hop["hop_to_verify_ms"]
                - hop["hop_wait_ms"]) < 1e-6 and hop["hop_draft_ms"] > 0
     assert e2e["replay_b1_nopoll"]["lossless"] and e2e["plain_b1_nopoll"]["tok_s"] > 0
