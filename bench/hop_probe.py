@@ -9,6 +9,8 @@ kept hot with common.aio.LoopSpinner, as the services keep theirs. Carriers:
 
   grpc   a grpc.aio bidi stream on loopback TCP (what the Speculate stream uses)
   unix   length-prefixed frames on a Unix domain socket, read by the event loop itself
+  shm    a shared-memory mailbox each side polls with sched_yield between looks (no
+         event loop, no socket): what a carrier outside the event loops could reach
 
 The question it answers: how much of the in-step hop is the carrier's thread wake-ups
 (gRPC core's poller and executor threads sleep through a forward; a Unix socket read by
@@ -81,9 +83,55 @@ async def _unix_server(path: str, port_q, reply: int) -> None:
         await server.serve_forever()
 
 
+class _Mailbox:
+    """One message slot in shared memory: length and payload, then a sequence number
+    written last (one aligned 8-byte store), which the reader polls."""
+
+    HEAD = 16
+
+    def __init__(self, buf: memoryview, offset: int) -> None:
+        self.buf, self.off = buf, offset
+
+    def post(self, seq: int, payload: bytes) -> None:
+        n = len(payload)
+        self.buf[self.off + self.HEAD:self.off + self.HEAD + n] = payload
+        struct.pack_into("<Q", self.buf, self.off + 8, n)
+        struct.pack_into("<Q", self.buf, self.off, seq)
+
+    def seq(self) -> int:
+        return struct.unpack_from("<Q", self.buf, self.off)[0]
+
+    def read(self) -> bytes:
+        (n,) = struct.unpack_from("<Q", self.buf, self.off + 8)
+        return bytes(self.buf[self.off + self.HEAD:self.off + self.HEAD + n])
+
+
+_SHM_SLOT = 1 << 16      # bytes per mailbox
+
+
+def _shm_server(name: str, port_q, reply: int) -> None:
+    """Polls the request mailbox with sched_yield between looks: no event loop and
+    no system call but the yield (bench/cold_probe.py: the cheapest kind of wait)."""
+    from multiprocessing import shared_memory
+    shm = shared_memory.SharedMemory(name)
+    req, rep = _Mailbox(shm.buf, 0), _Mailbox(shm.buf, _SHM_SLOT)
+    body, last = _reply(reply), 0
+    port_q.put(name)
+    while True:
+        seq = req.seq()
+        if seq == last:
+            os.sched_yield()
+            continue
+        req.read()
+        last = seq
+        rep.post(seq, body)
+
+
 def _child(kind: str, path: str, port_q, reply: int) -> None:
     if kind == "grpc":
         asyncio.run(_grpc_server(port_q, reply))
+    elif kind == "shm":
+        _shm_server(path, port_q, reply)
     else:
         asyncio.run(_unix_server(path, port_q, reply))
 
@@ -126,6 +174,24 @@ async def _time_unix(path: str, size: int, iters: int, gap_s: float, spin: bool)
     return times
 
 
+async def _time_shm(name: str, size: int, iters: int, gap_s: float, spin: bool) -> list[float]:
+    from multiprocessing import shared_memory
+    shm = shared_memory.SharedMemory(name)
+    req, rep = _Mailbox(shm.buf, 0), _Mailbox(shm.buf, _SHM_SLOT)
+    body, times = b"q" * size, []
+    for i in range(1, iters + 1):
+        await _gap(gap_s, spin)
+        t0 = time.perf_counter()
+        req.post(i, body)
+        while rep.seq() != i:
+            os.sched_yield()
+        rep.read()
+        times.append(time.perf_counter() - t0)
+    del req, rep
+    shm.close()
+    return times
+
+
 def _summary(times: list[float]) -> dict:
     t = sorted(1000 * x for x in times[10:])
     return {"p50_ms": t[len(t) // 2], "p90_ms": t[int(len(t) * 0.9)], "min_ms": t[0]}
@@ -135,11 +201,16 @@ def probe(kind: str, size: int, reply: int, iters: int, gaps_ms: list[float]) ->
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     path = os.path.join(tempfile.mkdtemp(prefix="treespec-hop-"), "s")
+    shm = None
+    if kind == "shm":
+        from multiprocessing import shared_memory
+        shm = shared_memory.SharedMemory(create=True, size=2 * _SHM_SLOT)
+        path = shm.name
     child = ctx.Process(target=_child, args=(kind, path, q, reply), daemon=True)
     child.start()
     try:
         addr = q.get(timeout=60)
-        timer = _time_grpc if kind == "grpc" else _time_unix
+        timer = {"grpc": _time_grpc, "shm": _time_shm}.get(kind, _time_unix)
         out = {}
         for gap in gaps_ms:
             for spin in ([False, True] if gap else [False]):
@@ -150,6 +221,9 @@ def probe(kind: str, size: int, reply: int, iters: int, gaps_ms: list[float]) ->
     finally:
         child.terminate()
         child.join(5)
+        if shm is not None:
+            shm.close()
+            shm.unlink()
 
 
 def main() -> None:
@@ -159,7 +233,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--size", type=int, default=600, help="request bytes (one sequence's)")
     ap.add_argument("--reply", type=int, default=300, help="proposal bytes")
-    ap.add_argument("--carriers", default="grpc,unix")
+    ap.add_argument("--carriers", default="grpc,unix,shm")
     a = ap.parse_args()
     gaps = [float(g) for g in a.gap_ms.split(",")]
     res = {"cpus": os.cpu_count(), "size": a.size, "reply": a.reply}

@@ -62,3 +62,17 @@ def test_cold_probe_times_the_hop_work_after_each_kind_of_gap(tmp_path):
     assert set(r["work_us"]) >= {"back_to_back", "sleep", "spin_python", "spin_epoll",
                                  "spin_asyncio"} and min(r["work_us"].values()) > 0
     assert r["host"]["clocksource"] or r["host"]["model"]
+
+
+def test_hop_probe_times_every_carrier_and_leaves_no_shared_memory(tmp_path):
+    out = tmp_path / "hop.json"
+    before = set(Path("/dev/shm").iterdir()) if Path("/dev/shm").exists() else set()
+    subprocess.run([sys.executable, str(ROOT / "bench" / "hop_probe.py"), "--out", str(out),
+                    "--iters", "20", "--gap-ms", "0,1"],
+                   check=True, timeout=180, cwd=ROOT, capture_output=True)
+    r = json.loads(out.read_text())
+    for carrier in ("grpc", "unix", "shm"):
+        assert set(r[carrier]) == {"back_to_back", "gap1_sleep", "gap1_spin"}
+        assert all(v["p50_ms"] > 0 for v in r[carrier].values())
+    after = set(Path("/dev/shm").iterdir()) if Path("/dev/shm").exists() else set()
+    assert after <= before
