@@ -231,6 +231,8 @@ AB_VARIANTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
                    ("--rehearse", "off"), ("--rehearse", "off")),
     "loudspin": ("replay with both busy loops polling the kernel at every turn "
                  "(TREESPEC_SPIN_QUIET_US=0)", (), ()),
+    "mailbox": ("replay with draft steps through a shared-memory mailbox on the draft's "
+                "local socket", ("--local-socket", "auto"), ("--draft-socket", "mailbox")),
 }
 
 

@@ -9,8 +9,8 @@ kept hot with common.aio.LoopSpinner, as the services keep theirs. Carriers:
 
   grpc   a grpc.aio bidi stream on loopback TCP (what the Speculate stream uses)
   unix   length-prefixed frames on a Unix domain socket, read by the event loop itself
-  shm    a shared-memory mailbox each side polls with sched_yield between looks (no
-         event loop, no socket): what a carrier outside the event loops could reach
+  shm    common/mailbox.py's shared-memory mailbox, each side polling with sched_yield
+         between looks (no event loop, no socket): what the carrier itself costs
 
 The question it answers: how much of the in-step hop is the carrier's thread wake-ups
 (gRPC core's poller and executor threads sleep through a forward; a Unix socket read by
@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc  # noqa: E402
 
 from common.aio import LoopSpinner, spin_until  # noqa: E402
+from common.mailbox import TO_DRAFT, TO_VERIFY, Mailbox  # noqa: E402
 
 METHOD = "/treespec.bench.Echo/Stream"
 _LEN = struct.Struct("<I")
@@ -83,48 +84,17 @@ async def _unix_server(path: str, port_q, reply: int) -> None:
         await server.serve_forever()
 
 
-class _Mailbox:
-    """One message slot in shared memory: length and payload, then a sequence number
-    written last (one aligned 8-byte store), which the reader polls."""
-
-    HEAD = 16
-
-    def __init__(self, buf: memoryview, offset: int) -> None:
-        self.buf, self.off = buf, offset
-
-    def post(self, seq: int, payload: bytes) -> None:
-        n = len(payload)
-        self.buf[self.off + self.HEAD:self.off + self.HEAD + n] = payload
-        struct.pack_into("<Q", self.buf, self.off + 8, n)
-        struct.pack_into("<Q", self.buf, self.off, seq)
-
-    def seq(self) -> int:
-        return struct.unpack_from("<Q", self.buf, self.off)[0]
-
-    def read(self) -> bytes:
-        (n,) = struct.unpack_from("<Q", self.buf, self.off + 8)
-        return bytes(self.buf[self.off + self.HEAD:self.off + self.HEAD + n])
-
-
-_SHM_SLOT = 1 << 16      # bytes per mailbox
-
-
-def _shm_server(name: str, port_q, reply: int) -> None:
+def _shm_server(path: str, port_q, reply: int) -> None:
     """Polls the request mailbox with sched_yield between looks: no event loop and
     no system call but the yield (bench/cold_probe.py: the cheapest kind of wait)."""
-    from multiprocessing import shared_memory
-    shm = shared_memory.SharedMemory(name)
-    req, rep = _Mailbox(shm.buf, 0), _Mailbox(shm.buf, _SHM_SLOT)
-    body, last = _reply(reply), 0
-    port_q.put(name)
+    mb = Mailbox.attach(path)
+    body = _reply(reply)
+    port_q.put(path)
     while True:
-        seq = req.seq()
-        if seq == last:
+        if mb.take(TO_DRAFT) is None:
             os.sched_yield()
             continue
-        req.read()
-        last = seq
-        rep.post(seq, body)
+        mb.post(TO_VERIFY, body)
 
 
 def _child(kind: str, path: str, port_q, reply: int) -> None:
@@ -174,21 +144,17 @@ async def _time_unix(path: str, size: int, iters: int, gap_s: float, spin: bool)
     return times
 
 
-async def _time_shm(name: str, size: int, iters: int, gap_s: float, spin: bool) -> list[float]:
-    from multiprocessing import shared_memory
-    shm = shared_memory.SharedMemory(name)
-    req, rep = _Mailbox(shm.buf, 0), _Mailbox(shm.buf, _SHM_SLOT)
+async def _time_shm(path: str, size: int, iters: int, gap_s: float, spin: bool) -> list[float]:
+    mb = Mailbox.attach(path)
     body, times = b"q" * size, []
-    for i in range(1, iters + 1):
+    for _ in range(iters):
         await _gap(gap_s, spin)
         t0 = time.perf_counter()
-        req.post(i, body)
-        while rep.seq() != i:
+        mb.post(TO_DRAFT, body)
+        while mb.take(TO_VERIFY) is None:
             os.sched_yield()
-        rep.read()
         times.append(time.perf_counter() - t0)
-    del req, rep
-    shm.close()
+    mb.close()
     return times
 
 
@@ -201,11 +167,9 @@ def probe(kind: str, size: int, reply: int, iters: int, gaps_ms: list[float]) ->
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     path = os.path.join(tempfile.mkdtemp(prefix="treespec-hop-"), "s")
-    shm = None
-    if kind == "shm":
-        from multiprocessing import shared_memory
-        shm = shared_memory.SharedMemory(create=True, size=2 * _SHM_SLOT)
-        path = shm.name
+    shm = Mailbox.create() if kind == "shm" else None     # common/mailbox.py's
+    if shm is not None:
+        path = shm.path
     child = ctx.Process(target=_child, args=(kind, path, q, reply), daemon=True)
     child.start()
     try:
@@ -222,8 +186,8 @@ def probe(kind: str, size: int, reply: int, iters: int, gaps_ms: list[float]) ->
         child.terminate()
         child.join(5)
         if shm is not None:
-            shm.close()
             shm.unlink()
+            shm.close()
 
 
 def main() -> None:

@@ -68,8 +68,10 @@ class LoopSpinner:
     """
 
     def __init__(self, hold_s: float = 0.02, rehearse: Callable[[], None] | None = None,
-                 rehearse_every_s: float = 0.001, quiet_s: float | None = None) -> None:
+                 rehearse_every_s: float = 0.001, quiet_s: float | None = None,
+                 pollers: list[Callable[[], None]] | None = None) -> None:
         self.hold_s = hold_s
+        self.pollers = pollers if pollers is not None else []   # called at every turn
         self.quiet_s = SPIN_QUIET_S if quiet_s is None else quiet_s
         self.rehearse = rehearse
         self.rehearse_every_s = rehearse_every_s
@@ -93,6 +95,8 @@ class LoopSpinner:
         while True:
             await self._wake.wait()
             while (now := loop.time()) < self._until:
+                for poll in self.pollers:
+                    poll()
                 if self.rehearse is not None and now >= due:
                     self._rehearse()
                     due = loop.time() + self.rehearse_every_s

@@ -92,9 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--prefill-tokens", type=int, help="prompt tokens admitted per iteration")
     v.add_argument("--step-deadline-ms", type=float, help="wait for a proposal, then plain decode")
     v.add_argument("--reconnect-s", type=float, help="retry period while the draft is down")
-    v.add_argument("--draft-socket", choices=["auto", "off"],
+    v.add_argument("--draft-socket", choices=["auto", "mailbox", "off"],
                    help="carry draft steps over the draft's local socket when it can be "
-                        "reached (same host; default auto), else over the gRPC stream")
+                        "reached (same host; default auto), else over the gRPC stream; "
+                        "mailbox: also through shared memory on that socket's connection")
     v.add_argument("--step-mode", choices=["auto", "ragged", "fixed"],
                    help="verify step: fixed shapes (CUDA graphs on a GPU) or ragged "
                         "(default auto: fixed on CUDA)")

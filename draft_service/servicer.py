@@ -63,8 +63,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         # see common.aio: a rehearsal runs on the loop, so it takes a light proposer
         # through its paces and skips any other (whose real steps run on the worker)
         self._rehearsal = _REHEARSAL.SerializeToString()
-        self._spinner = LoopSpinner(rehearse=self.rehearse if rehearse else None) \
-            if busy_poll else None
+        self.pollers: list = []        # mailboxes of local streams (draft_service.local_server)
+        self._spinner = LoopSpinner(rehearse=self.rehearse if rehearse else None,
+                                    pollers=self.pollers) if busy_poll else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
         self._staging = codec.Staging()
         self.instance_id = frames.new_instance_id()
@@ -106,6 +107,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def _step(self, msg: pb.SpeculateRequest) -> pb.Proposal:
         batch = self.engine.step(wire.spec_request_from_pb(msg))
         return wire.tree_batch_to_pb(batch, self._staging)
+
+    def spinning_until_ns(self) -> int:
+        """Until when (time.monotonic_ns()) the loop spins once a step begins now: 0
+        when it does not busy poll."""
+        return time.monotonic_ns() + int(self._spinner.hold_s * 1e9) if self._spinner else 0
 
     def rehearse(self) -> None:
         """This servicer's per-step host work on a throwaway request: decode, the

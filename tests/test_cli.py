@@ -84,6 +84,11 @@ def test_verify_defaults_and_every_flag(served, target_dir):
     assert not VerifyConfig(model="m", rehearse="on").rehearsing("cpu")
     with pytest.raises(ValueError, match="rehearse must be on or off"):
         VerifyConfig(model="m", rehearse="auto")
+    _, _, cfg = served("verify", "--model", str(target_dir), "--port", "0",
+                       "--draft-socket", "mailbox")
+    assert cfg.draft_socket == "mailbox"
+    with pytest.raises(ValueError, match="draft_socket must be auto, mailbox or off"):
+        VerifyConfig(model="m", draft_socket="shm")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -41,7 +41,7 @@ def _settle(fut: asyncio.Future, value: object) -> None:
 
 class DraftLink:
     def __init__(self, addr: str, reconnect_s: float, vocab_size: int, num_layers: int,
-                 busy_poll: bool = False, local: bool = True) -> None:
+                 busy_poll: bool = False, local: bool = True, mailbox: bool = False) -> None:
         self.addr = addr
         self.reconnect_s = reconnect_s
         self.vocab_size = vocab_size
@@ -57,6 +57,7 @@ class DraftLink:
         self._closed = False
         self.busy_poll = busy_poll      # poll for the answer on the loop, never sleep
         self.local = local              # try the draft's local socket first
+        self.mailbox = mailbox          # and ask it for a shared-memory mailbox
         self.carrier = ""               # "unix socket" or "grpc" while connected
         # the last answered step's hop, in time_ns stamps: request handed to the carrier,
         # answer read, and the draft's own (read, sent; 0 from a draft that does not stamp)
@@ -114,7 +115,8 @@ class DraftLink:
                                f"target has layers 0..{self.num_layers}; not using this draft")
         self.info = info
         self._call = await self._open_local(info_pb) or stub.Speculate()
-        self.carrier = "unix socket" if isinstance(self._call, frames.FrameStream) else "grpc"
+        self.carrier = "grpc" if not isinstance(self._call, frames.FrameStream) else \
+            "unix socket + mailbox" if self._call.mailbox is not None else "unix socket"
         self.epoch += 1
         log.info("draft %s connected: %s, envelope %s, steps by %s", self.addr, info.proposer,
                  info.envelope, self.carrier)
@@ -128,7 +130,8 @@ class DraftLink:
             return None
         try:
             return await frames.FrameStream.open(info.local_socket, info.instance_id,
-                                                 pb.Proposal.FromString)
+                                                 pb.Proposal.FromString,
+                                                 mailbox=self.mailbox)
         except (OSError, asyncio.TimeoutError, frames.FrameError) as e:
             log.info("draft's local socket %s not usable here (%s): steps by gRPC",
                      info.local_socket, e)
@@ -154,6 +157,14 @@ class DraftLink:
                          self.vocab_size) is not None:
             raise RuntimeError("the rehearsal's own proposal failed its checks")
 
+    def _poll(self) -> bool:
+        """Deliver an answer waiting in the mailbox; whether there was one."""
+        call = self._call
+        msg = call.poll() if isinstance(call, frames.FrameStream) else None
+        if msg is not None:
+            self._deliver(msg)
+        return msg is not None
+
     def _deliver(self, msg: pb.Proposal) -> None:
         """Hand the awaited answer to propose(); a late answer to a step that already
         timed out only frees the draft for the next step (never applied)."""
@@ -178,6 +189,7 @@ class DraftLink:
         self.stamps = None
         if not self.ready:
             return "disconnected"
+        self._poll()                 # a late answer may be waiting in the mailbox
         if self._outstanding is not None:
             return "busy"            # the draft is still on a step that timed out
         loop = asyncio.get_running_loop()
@@ -187,9 +199,14 @@ class DraftLink:
         try:
             msg_out = wire.spec_request_to_pb(req, self._staging)
             t_sent = time.time_ns()                 # handed to the carrier
+            mailbox = self.busy_poll and isinstance(self._call, frames.FrameStream)
+            if mailbox:
+                self._call.waiting(True)             # answers into the mailbox
             await self._call.write(msg_out)
             if self.busy_poll:
-                await spin_until(waiter.done)
+                await spin_until(lambda: self._poll() or waiter.done())
+            if mailbox:
+                self._call.waiting(False)
             msg = await waiter
         except Exception as e:
             log.warning("draft write failed: %s", e)

@@ -51,7 +51,8 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
     model = Qwen3Model.from_pretrained(path, dtype=pick_dtype(cfg.dtype, device), device=device)
     link = DraftLink(cfg.draft, cfg.reconnect_s, model.spec.vocab_size,
                      model.spec.num_layers, cfg.busy(device.type),
-                     local=cfg.draft_socket == "auto") if cfg.draft else None
+                     local=cfg.draft_socket != "off",
+                     mailbox=cfg.draft_socket == "mailbox") if cfg.draft else None
     observer, metrics = build_observer(cfg, tracer_provider)
     engine = VerifyEngine(model, cfg.num_blocks, cfg.block_size, cfg.max_batch,
                           cfg.max_model_len, cfg.prefill_tokens, cfg.step_deadline_ms / 1000,
