@@ -6,7 +6,7 @@ loop (bench/NOTES.md, fifth session). A thread can be slow because it did not ru
 preempted: ``nvcsw``) or because it ran slowly (``run_ms`` as expected, the wall
 longer). ``steal_ms`` is CPU time the hypervisor gave to others, over all CPUs.
 
-    before = snapshot([pid, ...]); ...run...; delta(before, snapshot([pid, ...]))
+    before = snapshot({"verify": pid, ...}); ...run...; delta(before, snapshot({...}))
 """
 
 from __future__ import annotations

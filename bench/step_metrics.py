@@ -22,8 +22,9 @@ def metrics_url(svc: ServiceProcess) -> str | None:
     return m.group(1) if m else None
 
 
-def step_sums(url: str | None) -> dict[str, tuple[float, float]]:
-    """(sum seconds, count) of the verify service's per-step histograms."""
+def step_sums(url: str | None) -> dict:
+    """(sum seconds, count) of the verify service's per-step histograms, by STEP_PARTS
+    key, and under "hop_le" the hop histogram's cumulative counts by bucket bound."""
     if url is None:
         return {}
     from prometheus_client.parser import text_string_to_metric_families

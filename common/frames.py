@@ -8,10 +8,10 @@ gRPC core reads and writes in its own threads, while a socket read by an event l
 that is already spinning (``common.aio.LoopSpinner``) needs no thread to wake. On an
 H200 host a standalone round trip took 0.10-0.16 ms against 0.39-0.50 ms on gRPC
 (``bench/hop_probe.py``), but a serving step's hop was no shorter (bench/NOTES.md,
-fifth session), so drafts serve it only when asked (``--local-socket``). On that connection a client
-may also ask for a shared-memory mailbox (common/mailbox.py, ``--draft-socket
-mailbox``), which takes the socket and both event loops' reads off the path of every
-message that fits.
+fifth session), so drafts serve it only when asked (``--local-socket``). On that
+connection a client may also ask for a shared-memory mailbox (common/mailbox.py,
+``--draft-socket mailbox``), which takes the socket and both event loops' reads off
+the path of every message that fits.
 
 Frames: a 5-byte header, ``<I`` payload length and one kind byte, then the payload.
 

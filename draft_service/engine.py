@@ -140,8 +140,8 @@ class DraftEngine:
     def rehearse(self, req: SpecRequest, propose: bool) -> TreeBatch:
         """A step's host work on a throwaway request, leaving no state behind (see
         common.aio.LoopSpinner): the checks and, with propose, the proposer's update
-        (whole, then one token more), propose and release of each sequence. Its one
-        sequence is REHEARSAL_SEQ_ID, which no verify service reaches (they count
+        (whole, then one token more), propose and release of its one sequence,
+        REHEARSAL_SEQ_ID, which no verify service reaches (they count
         from 1); the engine's own sequence table and observer never see it."""
         check_request(req, self.env, self.proposer.vocab_size)
         ids = [u.seq_id for u in req.seqs]
@@ -150,16 +150,14 @@ class DraftEngine:
         if not propose:
             tokens, parents = padding_trees(len(ids), self.env.num_nodes)
             return TreeBatch(step_id=req.step_id, seq_ids=ids, tokens=tokens, parents=parents)
+        u = req.seqs[0]
         try:
-            for u in req.seqs:
-                self.proposer.update(u.seq_id, list(u.new_tokens), len(u.new_tokens), [], None)
+            self.proposer.update(u.seq_id, list(u.new_tokens), len(u.new_tokens), [], None)
             self.proposer.propose(ids)
-            for u in req.seqs:
-                self.proposer.update(u.seq_id, [*u.new_tokens, u.new_tokens[-1]], 1, [0], None)
+            self.proposer.update(u.seq_id, [*u.new_tokens, u.new_tokens[-1]], 1, [0], None)
             tokens, parents = self.proposer.propose(ids)
         finally:
-            for s in ids:
-                self.proposer.release(s)
+            self.proposer.release(u.seq_id)
         return TreeBatch(step_id=req.step_id, seq_ids=ids, tokens=tokens, parents=parents)
 
     def _apply(self, u: SeqUpdate) -> bool:

@@ -199,13 +199,13 @@ class DraftLink:
         try:
             msg_out = wire.spec_request_to_pb(req, self._staging)
             t_sent = time.time_ns()                 # handed to the carrier
-            mailbox = self.busy_poll and isinstance(self._call, frames.FrameStream)
-            if mailbox:
-                self._call.waiting(True)             # answers into the mailbox
+            polling = self.busy_poll and isinstance(self._call, frames.FrameStream)
+            if polling:
+                self._call.waiting(True)      # a mailbox, if any, gets the answer
             await self._call.write(msg_out)
             if self.busy_poll:
                 await spin_until(lambda: self._poll() or waiter.done())
-            if mailbox:
+            if polling:
                 self._call.waiting(False)
             msg = await waiter
         except Exception as e:
