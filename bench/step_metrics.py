@@ -13,7 +13,8 @@ from verify_service.observer import HOP_PARTS
 HOP_PART = "treespec:draft_hop_part_seconds"     # labelled {part}: verify's hop_parts
 STEP_PARTS = {"step": "treespec:step_seconds", "hop": "treespec:draft_hop_seconds",
               **{f"hop_{p}": f"{HOP_PART}|{p}" for p in HOP_PARTS},
-              "verify": "treespec:verify_forward_seconds"}
+              "verify": "treespec:verify_forward_seconds",
+              "prefill": "treespec:prefill_seconds"}     # per admission, not per step
 
 
 def metrics_url(svc: ServiceProcess) -> str | None:
@@ -53,7 +54,7 @@ def step_breakdown(before: dict, after: dict) -> dict[str, float]:
     """Mean ms per engine step of each part over the timed run, and the rest
     (engine, servicer and streaming work around the hop and the forward)."""
     out: dict[str, float] = {}
-    for k in STEP_PARTS:
+    for k in STEP_PARTS:                 # prefill_ms: per admission (one per timed batch)
         if k in before and k in after and after[k][1] > before[k][1]:
             out[k + "_ms"] = 1000 * (after[k][0] - before[k][0]) / (after[k][1] - before[k][1])
     if "step_ms" in out:
