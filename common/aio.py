@@ -65,6 +65,11 @@ class LoopSpinner:
     every ``rehearse_every_s``: the service's per-step host work on throwaway data,
     keeping that code warm for the real message. The first exception turns
     rehearsal off (logged): it is an optimisation and must never cost a step.
+
+    While the service's worker thread computes (a prefill, a draft model's step),
+    the loop stands by (``standing_by``) instead: a spinning loop wants the GIL
+    back at every turn, and a worker that releases it around each torch call
+    then waits for it, up to a switch interval (5 ms) at a time.
     """
 
     def __init__(self, hold_s: float = 0.02, rehearse: Callable[[], None] | None = None,
@@ -77,6 +82,7 @@ class LoopSpinner:
         self.rehearse_every_s = rehearse_every_s
         self.rehearsals = 0
         self._until = 0.0
+        self._standing_by = 0           # workers computing for this loop right now
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 
@@ -94,7 +100,7 @@ class LoopSpinner:
         due = 0.0
         while True:
             await self._wake.wait()
-            while (now := loop.time()) < self._until:
+            while (now := loop.time()) < self._until and not self._standing_by:
                 for poll in self.pollers:
                     poll()
                 if self.rehearse is not None and now >= due:
@@ -104,6 +110,17 @@ class LoopSpinner:
                     _wait_quietly(self.quiet_s)
                 await asyncio.sleep(0)
             self._wake.clear()
+
+    @contextlib.contextmanager
+    def standing_by(self):
+        """No spinning inside this block (a worker thread computes); hot after it."""
+        self._standing_by += 1
+        try:
+            yield
+        finally:
+            self._standing_by -= 1
+            if not self._standing_by:
+                self.keep_hot()
 
     def _rehearse(self) -> None:
         try:

@@ -98,11 +98,18 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         elif self._inline:
             reply = self._step(msg)
         else:
-            reply = await asyncio.get_running_loop().run_in_executor(self._worker, self._step,
-                                                                     msg)
+            reply = await self._in_worker(msg)
         reply.received_unix_ns = received_ns
         reply.sent_unix_ns = time.time_ns()
         return reply
+
+    async def _in_worker(self, msg: pb.SpeculateRequest) -> pb.Proposal:
+        """A heavy proposer's step in the worker thread; a busy loop stands by."""
+        run = asyncio.get_running_loop().run_in_executor
+        if self._spinner is None:
+            return await run(self._worker, self._step, msg)
+        with self._spinner.standing_by():
+            return await run(self._worker, self._step, msg)
 
     def _step(self, msg: pb.SpeculateRequest) -> pb.Proposal:
         batch = self.engine.step(wire.spec_request_from_pb(msg))

@@ -23,6 +23,12 @@ def test_eight_concurrent_requests_equal_each_alone(target_dir, draft_dir, step_
     async def go():
         async with services(target_dir, "model", draft_dir, "tree-small", max_batch=8,
                             step_mode=step_mode, busy_poll=busy_poll) as h:
+            runner, prefill = h["engine"].runner, h["engine"].verifier.prefill
+
+            def spy(*args):          # a busy loop stands by while the worker prefills
+                by.append(runner._spinner._standing_by if runner._spinner else 0)
+                return prefill(*args)
+            h["engine"].verifier.prefill = spy
             async with AsyncTreespecClient(h["addr"]) as c:
                 lens = [8 + 3 * i for i in range(8)]   # finish at different steps
                 together = await asyncio.gather(*[
@@ -32,12 +38,14 @@ def test_eight_concurrent_requests_equal_each_alone(target_dir, draft_dir, step_
                          for p, n in zip(PROMPTS, lens)]
             return together, alone, lens, h["engine"].kv_pages_used == 0, \
                 h["engine"].runner.rehearsals
+    by: list[int] = []
     together, alone, lens, free, rehearsals = asyncio.run(go())
     for p, n, a, b in zip(PROMPTS, lens, together, alone):
         assert a.token_ids == b.token_ids == greedy_reference(target_dir, p, n)
     assert free
     # a busy loop rehearses the hop between steps (common.aio), an idle one never
     assert (rehearsals > 0) == (busy_poll == "on")
+    assert by and set(by) == {1 if busy_poll == "on" else 0}
 
 
 @pytest.mark.parametrize("step_mode,busy_poll", MODES)

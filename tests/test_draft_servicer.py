@@ -152,24 +152,34 @@ RUN_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("method", ["ngram", "model"])
 def test_light_proposers_step_on_the_event_loop_others_on_the_worker(method, draft_dir):
     """The n-gram proposer's step (host work of microseconds) runs on the server's
-    event-loop thread; a model's runs on the engine's worker thread."""
+    event-loop thread; a model's runs on the engine's worker thread, while the busy
+    loop stands by (common.aio.LoopSpinner.standing_by: it would take the GIL back
+    between the worker's torch calls)."""
+    import gc
     import threading
+
+    from draft_service.servicer import DrafterServicer
     cfg = DraftConfig(method=method, model=str(draft_dir) if method == "model" else None,
-                      envelope=ENV, device="cpu")
-    threads: list[str] = []
+                      envelope=ENV, device="cpu", busy_poll="on")
+    threads: list[tuple[str, int]] = []
 
     async def body(ch, engine):
+        servicer = next(o for o in gc.get_objects() if isinstance(o, DrafterServicer)
+                        and o.engine is engine)
         propose = engine.proposer.propose
 
         def spy(seq_ids):
-            threads.append(threading.current_thread().name)
+            threads.append((threading.current_thread().name,
+                            servicer._spinner._standing_by))
             return propose(seq_ids)
         engine.proposer.propose = spy
         loop_thread = threading.current_thread().name
         got = await stream(pb_grpc.DrafterStub(ch), [req(1, [full(1, [1, 2, 3, 1, 2])])])
         assert len(got) == 1 and threads
-        on_loop = all(t == loop_thread for t in threads)
+        on_loop = all(t == loop_thread for t, _ in threads)
         assert on_loop == (method == "ngram"), (threads, loop_thread)
+        assert all(by == (0 if on_loop else 1) for _, by in threads), threads
+        assert servicer._spinner._standing_by == 0
     serve(cfg, body)
 
 

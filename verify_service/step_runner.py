@@ -44,8 +44,11 @@ class StepRunner:
             self._spinner.keep_hot()
 
     async def compute(self, fn, *args):
-        """fn(*args) in the worker thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        """fn(*args) in the worker thread (the loop stands by meanwhile: common.aio)."""
+        if self._spinner is None:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        with self._spinner.standing_by():
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def step(self, pages: list[SeqPages], roots: list[int], tokens: torch.Tensor | None,
                    parents: torch.Tensor | None, depth: int) -> StepResult:
