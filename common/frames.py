@@ -6,9 +6,11 @@ stream. The messages and their meaning do not change (protobuf bytes, the same
 step-id rules, the same errors); only the carrier does. It spares thread wake-ups:
 gRPC core reads and writes in its own threads, while a socket read by an event loop
 that is already spinning (``common.aio.LoopSpinner``) needs no thread to wake. On an
-H200 host a standalone round trip took 0.10-0.16 ms against 0.39-0.50 ms on gRPC
-(``bench/hop_probe.py``), but a serving step's hop was no shorter (bench/NOTES.md,
-fifth session), so drafts serve it only when asked (``--local-socket``). On that
+H200 host a standalone round trip took 0.09-0.16 ms against 0.25-0.62 ms on gRPC
+(``bench/hop_probe.py``). Drafts serve it only when asked (``--local-socket``): until
+the eighth session the services' event loop (uvloop) refused the abstract address and
+every "socket" run in bench/NOTES.md went by gRPC, so the served hop is still to be
+measured on this carrier. On that
 connection a client may also ask for a shared-memory mailbox (common/mailbox.py,
 ``--draft-socket mailbox``), which takes the socket and both event loops' reads off
 the path of every message that fits.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import socket
 import struct
 import sys
 from collections.abc import AsyncIterator
@@ -74,6 +77,33 @@ def auto_address(instance_id: str) -> str | None:
 def os_address(address: str) -> str:
     """The path the socket API takes (``@name`` -> a leading NUL byte)."""
     return "\0" + address[1:] if address.startswith("@") else address
+
+
+def listen_unix(address: str) -> socket.socket:
+    """A listening socket at address for ``asyncio.start_unix_server(sock=...)``. Made
+    here, not by the event loop: uvloop refuses abstract (``@name``) addresses with
+    EINVAL, and the services run on uvloop, so they fell back to gRPC unnoticed."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.bind(os_address(address))
+        s.listen(64)
+        s.setblocking(False)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+async def connect_unix(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A stream connected to address (see listen_unix for why not the loop's own)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(s, os_address(address))
+    except BaseException:
+        s.close()
+        raise
+    return await asyncio.open_unix_connection(sock=s)
 
 
 def pack(kind: int, payload: bytes = b"") -> list[bytes]:
@@ -132,8 +162,7 @@ class FrameStream(Generic[M]):
                    mailbox: bool = False) -> FrameStream:
         """Connect and check the server's hello against instance_id (FrameError if not);
         with mailbox, also set up the shared-memory mailbox (FrameError if refused)."""
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_unix_connection(os_address(address)), timeout_s)
+        reader, writer = await asyncio.wait_for(connect_unix(address), timeout_s)
         stream = cls(reader, writer, parse)
         try:
             hello = await asyncio.wait_for(read_frame(reader), timeout_s)

@@ -47,7 +47,7 @@ class LocalServer:
     async def start(self) -> None:
         self._remove_file()          # a stale socket file from a process that died
         self._server = await asyncio.start_unix_server(self._serve,
-                                                       frames.os_address(self.address))
+                                                       sock=frames.listen_unix(self.address))
 
     async def close(self) -> None:
         if self._server is not None:

@@ -112,3 +112,22 @@ def test_draft_service_stops_cleanly_on_sigterm():
     start = time.monotonic()
     assert draft.stop(grace=20.0) == 0, draft.output(40)
     assert time.monotonic() - start < 20.0
+
+
+@pytest.mark.parametrize("draft_socket, carrier", [("auto", "unix socket"),
+                                                   ("mailbox", "unix socket + mailbox")])
+def test_the_local_carriers_work_in_the_cli_services(target_dir, reference, draft_socket,
+                                                     carrier):
+    """The services run on uvloop, which refuses abstract socket addresses given as
+    strings: until common.frames made the sockets itself, `--local-socket auto` fell
+    back to gRPC unnoticed (the bench's socket and mailbox A/Bs measured gRPC)."""
+    busy = ("--busy-poll", "on")
+    with services.stack(target_dir, "ngram", draft_args=("--local-socket", "auto", *busy),
+                        verify_args=("--draft-socket", draft_socket, "--step-mode", "fixed",
+                                     *busy)) as (_, verify):
+        out = services.generate_json(verify.addr, PROMPT, MAX_TOKENS, "--ignore-eos")
+        log = verify.output()
+    assert out["token_ids"] == reference
+    check_stats(out, speculative=True)
+    assert f"steps by {carrier}" in log, log
+    assert "not usable here" not in log, log
