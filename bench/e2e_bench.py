@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Collection
@@ -55,45 +56,57 @@ def verify_argv(model: str, device: str, draft: str | None, max_batch: int,
 
 
 async def _batch(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bool,
-                 after_warmup=None) -> tuple[float, list[dict], list[list[int]]]:
+                 reps: int, mark) -> list[tuple[float, list[dict], list[list[int]]]]:
+    """reps timed runs of the batch after one warm-up; mark() before each and after
+    the last."""
+    runs = []
     async with AsyncTreespecClient(addr, timeout=600) as c:
         await c.wait_ready(600)
         # warm-up: captures this batch bucket's graphs
         await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=8, ignore_eos=True,
                                           no_speculation=no_spec) for p in prompts])
-        if after_warmup is not None:
-            after_warmup()
-        t0 = time.perf_counter()
-        outs = await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=max_tokens,
-                                                 ignore_eos=True, no_speculation=no_spec)
-                                      for p in prompts])
-        dt = time.perf_counter() - t0
-    return dt, [o.stats for o in outs], [o.token_ids for o in outs]
+        for _ in range(reps):
+            mark()
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=max_tokens,
+                                                     ignore_eos=True, no_speculation=no_spec)
+                                          for p in prompts])
+            runs.append((time.perf_counter() - t0, [o.stats for o in outs],
+                         [o.token_ids for o in outs]))
+        mark()
+    return runs
 
 
 def throughput(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bool,
-               metrics: str | None = None, pids: dict[str, int] | None = None) -> dict:
-    """pids: service processes whose threads' scheduling to report (bench/sched_probe)."""
-    before: dict = {}
+               metrics: str | None = None, pids: dict[str, int] | None = None,
+               reps: int = 1) -> dict:
+    """The batch's figures over one timed run, or over the median (by tok/s) of reps
+    runs, with every run's tok/s under tok_s_runs. pids: service processes whose
+    threads' scheduling to report (bench/sched_probe)."""
+    marks: list[dict] = []
 
     def mark() -> None:
-        before.update(step_sums(metrics))
-        if pids:
-            before["sched"] = sched_probe.snapshot(pids)
+        marks.append({**step_sums(metrics),
+                      **({"sched": sched_probe.snapshot(pids)} if pids else {})})
 
-    dt, stats, ids = asyncio.run(_batch(addr, prompts, max_tokens, no_spec, mark))
-    sched = sched_probe.delta(before.pop("sched"), sched_probe.snapshot(pids)) if pids else None
+    runs = asyncio.run(_batch(addr, prompts, max_tokens, no_spec, reps, mark))
+    rates = [sum(s["completion_tokens"] for s in st) / dt for dt, st, _ in runs]
+    i = sorted(range(reps), key=rates.__getitem__)[reps // 2]
+    (dt, stats, ids), before, after = runs[i], marks[i], marks[i + 1]
+    sched = sched_probe.delta(before.pop("sched"), after.pop("sched")) if pids else None
     gen = sum(s["completion_tokens"] for s in stats)
     steps = sum(s["steps"] for s in stats)
     # the prefill's token is not a step's: leave it out of tokens per step
     per_step = (gen - len(stats)) / max(1, steps)
-    parts = step_breakdown(before, step_sums(metrics)) if metrics is not None else {}
+    parts = step_breakdown(before, after) if metrics is not None else {}
     if "step_ms" in parts:      # the decode phase alone: what a step commits over what it costs
         parts["decode_tok_s"] = 1000 * per_step * len(prompts) / parts["step_ms"]
     return {"tok_s": gen / dt, "tokens_per_step": per_step, "seconds": dt, **parts,
             "accepted": sum(s["accepted_tokens"] for s in stats),
             "drafted": sum(s["draft_tokens"] for s in stats),
             "fallback_steps": sum(s["fallback_steps"] for s in stats), "ids": ids,
+            **({"tok_s_runs": rates, "runs_agree": all(r[2] == ids for r in runs)}
+               if reps > 1 else {}),
             **({"sched": sched} if sched else {})}
 
 
@@ -129,6 +142,12 @@ async def _hop_ms(draft_addr: str, prompt: list[int], gap_s: float = 0.0,
     return 1000 * sorted(times[5:])[len(times[5:]) // 2]
 
 
+def carrier_of(verify: ServiceProcess) -> str | None:
+    """How the verify service's draft steps travel, from its `steps by ...` log line."""
+    found = re.findall(r"steps by (.+)", verify.output())
+    return found[-1].strip() if found else None
+
+
 def placement_devices(placement: str, device: str) -> tuple[str, str]:
     """(draft device, verify device): both on `device`, or draft on cuda:0 and
     verify on cuda:1 (issue 6's split; needs two visible GPUs)."""
@@ -150,10 +169,11 @@ def replay_phase(target: str, device: str, work: Path, label: str, drafting: tup
                  refs: dict[int, list[list[int]]], plain: dict[int, list[list[int]]],
                  res: dict, hop: bool = False, draft_extra: tuple[str, ...] = (),
                  verify_extra: tuple[str, ...] = (), pin: bool = False,
-                 env: dict[str, str] | None = None
+                 env: dict[str, str] | None = None, reps: dict[int, int] | None = None
                  ) -> dict[int, list[list[int]]]:
     """Both services with the replay instrument proposing refs (drafting: its
-    --corrupt / --accept flags); returns the outputs."""
+    --corrupt / --accept flags); returns the outputs. reps: timed runs by batch size
+    (the median's figures are kept; default one)."""
     cont = work / f"{label}_continuations.json"
     cont.write_text(json.dumps([{"prompt": p, "continuation": c} for b in sets
                                 for p, c in zip(sets[b], refs[b])]))
@@ -168,13 +188,14 @@ def replay_phase(target: str, device: str, work: Path, label: str, drafting: tup
         for b, prompts in sets.items():
             r = throughput(v.addr, prompts, max_tokens, no_spec=False, metrics=metrics_url(v),
                            pids={"verify": v.proc.pid, "draft": d.proc.pid,
-                                 "client": os.getpid()})
+                                 "client": os.getpid()}, reps=(reps or {}).get(b, 1))
             outs[b] = r.pop("ids")
             vs_ref, vs_plain = first_divergence(outs[b], refs[b]), first_divergence(outs[b], plain[b])
             res[f"{label}_b{b}"] = dict(
-                r, lossless=all(f is None for f in vs_plain), first_divergence=vs_plain,
+                r, lossless=all(f is None for f in vs_plain) and r.get("runs_agree", True),
+                first_divergence=vs_plain,
                 identical_to_reference=all(f is None for f in vs_ref),
-                reference_divergence=vs_ref)
+                reference_divergence=vs_ref, carrier=carrier_of(v))
             print(f"{label} b={b}: {r['tok_s']:.1f} tok/s, {r['tokens_per_step']:.2f} tok/step,"
                   f" equal to plain decode: {res[f'{label}_b{b}']['lossless']}, to its "
                   f"reference: {res[f'{label}_b{b}']['identical_to_reference']}", flush=True)
@@ -183,8 +204,6 @@ def replay_phase(target: str, device: str, work: Path, label: str, drafting: tup
             # idle for one plain step between messages, as in serving
             gap = res.get(f"plain_b{next(iter(sets))}", {}).get("step_ms", 5.0) / 1000
             for carrier, key in (("grpc", "hop"), ("socket", "hop_socket")):
-                if carrier == "socket" and "--local-socket" not in draft_extra:
-                    continue        # this draft serves no local socket
                 res[f"{key}_ms"] = asyncio.run(_hop_ms(d.addr, first, carrier=carrier))
                 res[f"{key}_idle_ms"] = asyncio.run(_hop_ms(d.addr, first, gap, carrier))
                 print(f"hop by {carrier}: {res[f'{key}_ms']:.3f} ms back to back, "
@@ -223,16 +242,16 @@ def model_phase(target: str, draft: str, device: str, draft_device: str,
 AB_VARIANTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "nopoll": ("plain and replay with busy polling off",
                ("--busy-poll", "off"), ("--busy-poll", "off")),
-    "socket": ("replay with draft steps on the draft's local Unix socket instead of gRPC",
-               ("--local-socket", "auto"), ()),
+    "socket": ("replay with draft steps on the draft's local Unix socket without its "
+               "shared-memory mailbox", (), ("--draft-socket", "socket")),
+    "grpc": ("replay with draft steps on the gRPC stream (--draft-socket off)", (),
+             ("--draft-socket", "off")),
     "draftsleep": ("replay with only the draft's busy polling off", ("--busy-poll", "off"), ()),
     "pinned": ("replay with the two services pinned to disjoint CPUs", (), ()),
     "norehearse": ("replay with neither busy loop rehearsing the hop's host work",
                    ("--rehearse", "off"), ("--rehearse", "off")),
     "loudspin": ("replay with both busy loops polling the kernel at every turn "
                  "(TREESPEC_SPIN_QUIET_US=0)", (), ()),
-    "mailbox": ("replay with draft steps through a shared-memory mailbox on the draft's "
-                "local socket", ("--local-socket", "auto"), ("--draft-socket", "mailbox")),
 }
 
 
@@ -241,12 +260,15 @@ VARIANT_ENV = {"loudspin": {"TREESPEC_SPIN_QUIET_US": "0"}}    # variables a var
 
 def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
             batches: list[int], drafting: tuple[str, ...], work: Path,
-            placement: str = "same", ab: Collection[str] = ()) -> dict:
+            placement: str = "same", ab: Collection[str] = (), first_reps: int = 3) -> dict:
     """prompts: at least sum(batches); each batch size gets its own prompts, so each
     replay reference is recorded at the batch shape it is replayed at. drafting: the
     replay instrument's --accept / --corrupt flags. ab: AB_VARIANTS keys, each also run
-    at the first batch size, its keys suffixed `_<key>`, for side-by-side comparisons."""
+    at the first batch size, its keys suffixed `_<key>`, for side-by-side comparisons.
+    first_reps: timed runs at the first batch size (a 0.2-0.7 s run at batch 1 moves
+    with one slow prefill: 27-95 ms on the H200), the median's figures kept."""
     res: dict = {"placement": placement}
+    reps = {batches[0]: first_reps}
     draft_device, device = placement_devices(placement, device)
     sets, at = {}, 0
     for b in batches:
@@ -256,7 +278,8 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     plain: dict[int, list[list[int]]] = {}
     try:
         for b in batches:
-            r = throughput(v.addr, sets[b], max_tokens, no_spec=True, metrics=metrics_url(v))
+            r = throughput(v.addr, sets[b], max_tokens, no_spec=True, metrics=metrics_url(v),
+                           reps=reps.get(b, 1))
             plain[b] = r.pop("ids")
             res[f"plain_b{b}"] = r
             print(f"plain b={b}: {r['tok_s']:.1f} tok/s", flush=True)
@@ -272,21 +295,16 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
                         plain, plain, res)
     # 3. replay instrument (chain of 4) at the set tokens per step.
     replay_phase(target, device, work, "replay", drafting, sets, max_tokens, refs, plain, res,
-                 hop=True)
+                 hop=True, reps=reps)
     for suffix, (_, draft_extra, verify_extra) in AB_VARIANTS.items():
         if suffix not in ab or suffix == "nopoll":
             continue
         b = batches[0]
         variant: dict = {}
         replay_phase(target, device, work, "replay", drafting, {b: sets[b]}, max_tokens,
-                     {b: refs[b]}, {b: plain[b]}, variant, hop=suffix == "socket",
+                     {b: refs[b]}, {b: plain[b]}, variant,
                      draft_extra=draft_extra, verify_extra=verify_extra,
-                     env=VARIANT_ENV.get(suffix),
-                     pin=suffix == "pinned")
-        for k in ("hop_socket_ms", "hop_socket_idle_ms"):      # the standalone loops
-            if k in variant:
-                res[k] = variant.pop(k)
-        variant.pop("hop_ms", None), variant.pop("hop_idle_ms", None)   # measured above
+                     env=VARIANT_ENV.get(suffix), pin=suffix == "pinned", reps=reps)
         res.update({f"{k}_{suffix}": v for k, v in variant.items()})
     if "nopoll" in ab:
         b = batches[0]

@@ -32,7 +32,7 @@ from bench.inproc_bench import (copy_bandwidth, hf_decode_tok_s, ours_from_hf,  
 
 AB_FLAGS = {"nopoll": "busy-poll", "socket": "socket", "draftsleep": "draft-sleep",
             "pinned": "pin", "norehearse": "no-rehearse",
-            "loudspin": "loud-spin", "mailbox": "mailbox"}   # AB_VARIANTS key -> --ab-* flag
+            "loudspin": "loud-spin", "grpc": "grpc"}   # AB_VARIANTS key -> --ab-* flag
 
 
 def corrupt_for(tokens_per_step: float, depth: int) -> float:
@@ -161,12 +161,8 @@ def main() -> None:
         out["hop_share"] = b1.get("hop_ms", r["hop_ms"]) / b1.get("step_ms", step_ms)
         out["hop_share_back_to_back"] = r["hop_ms"] / step_ms
         out["hop_share_idle_loop"] = r["hop_idle_ms"] / step_ms
-        if "replay_b1_socket" in r:   # the same serving step, its hop on the local socket
-            g = r["replay_b1_socket"]
-            out["hop_share_socket"] = g["hop_ms"] / g["step_ms"] if "hop_ms" in g else None
-            out["oracle4_tok_s_socket"] = g["tok_s"]
-            out["hop_share_socket_idle_loop"] = r["hop_socket_idle_ms"] / step_ms
-        for key in ("norehearse", "loudspin", "mailbox", "pinned"):   # other replay variants
+        out["hop_share_socket_idle_loop"] = r["hop_socket_idle_ms"] / step_ms
+        for key in ("grpc", "socket", "norehearse", "loudspin", "pinned"):   # replay variants
             if f"replay_b1_{key}" in r:
                 n = r[f"replay_b1_{key}"]
                 out[f"oracle4_tok_s_{key}"] = n["tok_s"]

@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--local-socket", default="off", help="as `treespec draft --local-socket`")
+    ap.add_argument("--local-socket", default="auto", help="as `treespec draft --local-socket`")
     ap.add_argument("--busy-poll", default="on", choices=["auto", "on", "off"],
                     help="as `treespec draft --busy-poll` (default on: the instrument stands "
                          "in for a draft on a GPU, where auto means on)")

@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-sequences", type=int, help="sequences whose state the draft keeps")
     d.add_argument("--local-socket", metavar="auto|off|PATH",
                    help="also serve the per-step stream on a Unix socket, which a verify "
-                        "service on this host then uses instead of gRPC (default off; auto: "
-                        "an abstract socket on Linux; PATH or @name to share it across "
+                        "service on this host then uses instead of gRPC (default auto: "
+                        "an abstract socket on Linux; off; PATH or @name to share it across "
                         "containers through a volume)")
     _add_runtime(d)
 
@@ -92,10 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--prefill-tokens", type=int, help="prompt tokens admitted per iteration")
     v.add_argument("--step-deadline-ms", type=float, help="wait for a proposal, then plain decode")
     v.add_argument("--reconnect-s", type=float, help="retry period while the draft is down")
-    v.add_argument("--draft-socket", choices=["auto", "mailbox", "off"],
+    v.add_argument("--draft-socket", choices=["auto", "mailbox", "socket", "off"],
                    help="carry draft steps over the draft's local socket when it can be "
-                        "reached (same host; default auto), else over the gRPC stream; "
-                        "mailbox: also through shared memory on that socket's connection")
+                        "reached (same host), else over the gRPC stream. auto (default): "
+                        "through a shared-memory mailbox on that socket's connection while "
+                        "busy polling, the socket alone otherwise; mailbox / socket: always "
+                        "that; off: gRPC only")
     v.add_argument("--step-mode", choices=["auto", "ragged", "fixed"],
                    help="verify step: fixed shapes (CUDA graphs on a GPU) or ragged "
                         "(default auto: fixed on CUDA)")

@@ -23,11 +23,12 @@ class DraftConfig(ServiceConfig):
     ngram_max: int = 4                # longest suffix the n-gram proposer matches
     ngram_min: int = 1
     max_sequences: int = 256          # sequences whose state the draft keeps
-    # also serve Speculate on a Unix socket for a verify service on this host: off,
-    # auto (an abstract socket named after the instance, on Linux), or a path / @name.
-    # Off by default: on the H200 it was 2-4 x faster than gRPC alone, but no faster
-    # inside a serving step (bench/NOTES.md, fifth session)
-    local_socket: str = "off"
+    # also serve Speculate on a Unix socket for a verify service on this host: auto
+    # (an abstract socket named after the instance, on Linux; reachable only inside
+    # this network namespace, so other hosts and containers keep gRPC), off, or a
+    # path / @name. With its shared-memory mailbox it cut the H200's hop from 0.8-1.35
+    # ms on gRPC to 0.43 ms (bench/NOTES.md, eighth session)
+    local_socket: str = "auto"
 
     def local_address(self, instance_id: str) -> str | None:
         """Where to serve the local socket, None for nowhere."""

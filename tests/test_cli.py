@@ -87,7 +87,7 @@ def test_verify_defaults_and_every_flag(served, target_dir):
     _, _, cfg = served("verify", "--model", str(target_dir), "--port", "0",
                        "--draft-socket", "mailbox")
     assert cfg.draft_socket == "mailbox"
-    with pytest.raises(ValueError, match="draft_socket must be auto, mailbox or off"):
+    with pytest.raises(ValueError, match="draft_socket must be auto, mailbox, socket or off"):
         VerifyConfig(model="m", draft_socket="shm")
 
 

@@ -114,15 +114,15 @@ def test_draft_service_stops_cleanly_on_sigterm():
     assert time.monotonic() - start < 20.0
 
 
-@pytest.mark.parametrize("draft_socket, carrier", [("auto", "unix socket"),
-                                                   ("mailbox", "unix socket + mailbox")])
+@pytest.mark.parametrize("draft_socket, carrier", [("socket", "unix socket"),
+                                                   ("auto", "unix socket + mailbox")])
 def test_the_local_carriers_work_in_the_cli_services(target_dir, reference, draft_socket,
                                                      carrier):
     """The services run on uvloop, which refuses abstract socket addresses given as
     strings: until common.frames made the sockets itself, `--local-socket auto` fell
     back to gRPC unnoticed (the bench's socket and mailbox A/Bs measured gRPC)."""
     busy = ("--busy-poll", "on")
-    with services.stack(target_dir, "ngram", draft_args=("--local-socket", "auto", *busy),
+    with services.stack(target_dir, "ngram", draft_args=busy,    # --local-socket auto: default
                         verify_args=("--draft-socket", draft_socket, "--step-mode", "fixed",
                                      *busy)) as (_, verify):
         out = services.generate_json(verify.addr, PROMPT, MAX_TOKENS, "--ignore-eos")

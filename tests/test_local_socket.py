@@ -31,11 +31,11 @@ MAX_TOKENS = 16
 
 
 @pytest.mark.parametrize("draft_socket, local_socket, carrier, draft_busy", [
-    ("auto", "auto", "unix socket", "auto"),
-    ("auto", "path", "unix socket", "auto"),
+    ("socket", "auto", "unix socket", "auto"),
+    ("socket", "path", "unix socket", "auto"),
     ("off", "auto", "grpc", "auto"),
     ("auto", "off", "grpc", "auto"),
-    ("auto", None, "grpc", "auto"),          # the draft's default: no local socket
+    ("auto", None, "unix socket + mailbox", "on"),   # both defaults (the verify busy polls)
     ("mailbox", "auto", "unix socket + mailbox", "auto"),   # the draft woken by frames
     ("mailbox", "auto", "unix socket + mailbox", "on"),     # the draft polls the mailbox
     ("mailbox", "off", "grpc", "auto"),
@@ -202,6 +202,28 @@ def test_a_socket_of_another_instance_is_refused():
 def test_bad_local_socket_flag_is_refused():
     with pytest.raises(ValueError, match="--local-socket"):
         DraftConfig(method="ngram", envelope=ENV, local_socket="@")
+
+
+def test_a_refused_mailbox_leaves_the_socket(target_dir, monkeypatch):
+    """A draft that cannot make a mailbox (no /dev/shm in its container) ends that
+    connection; the verify service reconnects on the socket alone, not on gRPC."""
+    from common.mailbox import Mailbox
+
+    def no_shm(*args, **kwargs):
+        raise OSError("no /dev/shm here")
+    monkeypatch.setattr(Mailbox, "create", no_shm)
+
+    async def go():
+        async with services(target_dir, "model", target_dir, "chain4",
+                            draft_kw={"busy_poll": "on"}, step_mode="fixed",
+                            busy_poll="on") as h:
+            carrier = h["engine"].link.carrier
+            async with AsyncTreespecClient(h["addr"]) as c:
+                out = await c.generate(prompt_ids=PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True)
+            return carrier, out
+    carrier, out = asyncio.run(go())
+    assert carrier == "unix socket"
+    assert out.token_ids == greedy_reference(target_dir, PROMPT, MAX_TOKENS)
 
 
 def _shm_files() -> set:

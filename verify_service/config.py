@@ -18,8 +18,9 @@ class VerifyConfig(ServiceConfig):
     step_deadline_ms: float = 100.0   # wait this long for a proposal, then plain decode
     reconnect_s: float = 1.0          # retry period while the draft is unreachable
     step_mode: str = "auto"           # auto (fixed on CUDA), ragged, fixed (CUDA graphs on GPU)
-    draft_socket: str = "auto"        # auto: steps over the draft's local socket if reachable;
-                                      # mailbox: and through shared memory (common/mailbox.py)
+    # steps over the draft's local socket if reachable: auto (through a shared-memory
+    # mailbox on it while busy polling, common/mailbox.py), mailbox, socket; off: gRPC
+    draft_socket: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -29,8 +30,8 @@ class VerifyConfig(ServiceConfig):
             raise ValueError("max_batch must be >= 1")
         if self.step_mode not in ("auto", "ragged", "fixed"):
             raise ValueError(f"step_mode must be auto, ragged or fixed, got {self.step_mode!r}")
-        if self.draft_socket not in ("auto", "mailbox", "off"):
-            raise ValueError("draft_socket must be auto, mailbox or off, got "
+        if self.draft_socket not in ("auto", "mailbox", "socket", "off"):
+            raise ValueError("draft_socket must be auto, mailbox, socket or off, got "
                              f"{self.draft_socket!r}")
         if self.step_deadline_ms <= 0 or self.reconnect_s <= 0:
             raise ValueError("step_deadline_ms and reconnect_s must be > 0")

@@ -128,14 +128,15 @@ class DraftLink:
         """The draft's local socket, when it advertises one and it answers as that draft."""
         if not (self.local and info.local_socket and info.instance_id):
             return None
-        try:
-            return await frames.FrameStream.open(info.local_socket, info.instance_id,
-                                                 pb.Proposal.FromString,
-                                                 mailbox=self.mailbox)
-        except (OSError, asyncio.TimeoutError, frames.FrameError) as e:
-            log.info("draft's local socket %s not usable here (%s): steps by gRPC",
-                     info.local_socket, e)
-            return None
+        for mailbox in ([True, False] if self.mailbox else [False]):
+            try:
+                return await frames.FrameStream.open(info.local_socket, info.instance_id,
+                                                     pb.Proposal.FromString, mailbox=mailbox)
+            except (OSError, asyncio.TimeoutError, frames.FrameError) as e:
+                log.info("draft's local socket %s%s not usable here (%s)", info.local_socket,
+                         " with a mailbox" if mailbox else "", e)
+        log.info("steps by gRPC")
+        return None
 
     def rehearse(self) -> None:
         """The hop's host work on throwaway data (common.aio.LoopSpinner keeps it warm):

@@ -52,7 +52,9 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
     link = DraftLink(cfg.draft, cfg.reconnect_s, model.spec.vocab_size,
                      model.spec.num_layers, cfg.busy(device.type),
                      local=cfg.draft_socket != "off",
-                     mailbox=cfg.draft_socket == "mailbox") if cfg.draft else None
+                     mailbox=cfg.draft_socket == "mailbox" or (
+                         cfg.draft_socket == "auto" and cfg.busy(device.type))
+                     ) if cfg.draft else None
     observer, metrics = build_observer(cfg, tracer_provider)
     engine = VerifyEngine(model, cfg.num_blocks, cfg.block_size, cfg.max_batch,
                           cfg.max_model_len, cfg.prefill_tokens, cfg.step_deadline_ms / 1000,
