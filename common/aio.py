@@ -76,7 +76,9 @@ class LoopSpinner:
                  rehearse_every_s: float = 0.001, quiet_s: float | None = None,
                  pollers: list[Callable[[], None]] | None = None) -> None:
         self.hold_s = hold_s
-        self.pollers = pollers if pollers is not None else []   # called at every turn
+        # called at every turn; one that returns true found work: no rehearsal or quiet
+        # wait in that turn
+        self.pollers = pollers if pollers is not None else []
         self.quiet_s = SPIN_QUIET_S if quiet_s is None else quiet_s
         self.rehearse = rehearse
         self.rehearse_every_s = rehearse_every_s
@@ -101,8 +103,12 @@ class LoopSpinner:
         while True:
             await self._wake.wait()
             while (now := loop.time()) < self._until and not self._standing_by:
+                found = False
                 for poll in self.pollers:
-                    poll()
+                    found = bool(poll()) or found
+                if found:           # straight on to the task that answers it
+                    await asyncio.sleep(0)
+                    continue
                 if self.rehearse is not None and now >= due:
                     self._rehearse()
                     due = loop.time() + self.rehearse_every_s

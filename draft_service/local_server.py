@@ -118,11 +118,13 @@ class _Connection:
         self.servicer.pollers.append(self.poll)       # looked into at every spin turn
         self.writer.writelines(frames.pack(frames.MAILBOX, self.mailbox.path.encode()))
 
-    def poll(self) -> None:
-        """A request waiting in the mailbox is answered (the protocol has one in flight)."""
+    def poll(self) -> bool:
+        """A request waiting in the mailbox is answered (the protocol has one in
+        flight); whether there was one."""
         data = self.mailbox.take(TO_DRAFT) if self.mailbox is not None else None
         if data is not None:
             asyncio.get_running_loop().create_task(self.handle(data, time.time_ns()))
+        return data is not None
 
     async def handle(self, payload: bytes, received: int) -> None:
         if self.failed:

@@ -125,3 +125,17 @@ def test_loop_spinner_stands_by_while_a_worker_computes_and_is_hot_after():
     before, during, parked, hot, after = asyncio.run(go())
     assert before > 0 and during == 0 and parked
     assert hot and after > 0
+
+
+def test_a_turn_whose_poller_found_work_skips_rehearsal_and_quiet_wait():
+    """A poller that found a message (returns true) sends the loop straight on to the
+    task answering it: no rehearsal, no quiet wait in that turn."""
+    async def go(found: bool) -> int:
+        calls = []
+        spinner = LoopSpinner(hold_s=5.0, rehearse=lambda: calls.append(1),
+                              rehearse_every_s=0.0, pollers=[lambda: found])
+        spinner.keep_hot()
+        await asyncio.sleep(0.02)
+        await spinner.close()
+        return len(calls)
+    assert asyncio.run(go(True)) == 0 and asyncio.run(go(False)) > 0

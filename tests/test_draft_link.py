@@ -118,3 +118,7 @@ def test_rehearsal_runs_the_hops_host_work_for_every_envelope():
                                 target_hidden_layers=(), model="")
         link.rehearse()
         assert link._rehearsal[0] is link.info
+    link._rehearsal = None
+    link._waiter = object()               # a step waits for its answer: no rehearsal
+    link.rehearse()
+    assert link._rehearsal is None

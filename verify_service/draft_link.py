@@ -142,8 +142,8 @@ class DraftLink:
         """The hop's host work on throwaway data (common.aio.LoopSpinner keeps it warm):
         encode a one-sequence request, decode and check a chain proposal."""
         info = self.info
-        if info is None:
-            return
+        if info is None or self._waiter is not None:     # not while a step waits: the
+            return                                        # answer would wait for it
         if self._rehearsal is None or self._rehearsal[0] is not info:
             n = info.envelope.num_nodes
             answer = pb.Proposal(step_id=1, seq_ids=[1], tokens=codec.encode(
