@@ -69,7 +69,10 @@ def overrides(target_dir, draft_dir) -> dict[str, str]:
     return {"TARGET_MODEL_DIR": str(target_dir), "DRAFT_MODEL_DIR": str(draft_dir),
             "TREESPEC_DEVICE": "cpu", "TREESPEC_BIND": "127.0.0.1",
             "DRAFT_PORT": str(free_port()), "VERIFY_PORT": str(free_port()),
-            "DRAFT_METRICS_PORT": str(free_port()), "VERIFY_METRICS_PORT": str(free_port())}
+            "DRAFT_METRICS_PORT": str(free_port()), "VERIFY_METRICS_PORT": str(free_port()),
+            # a cold CPU draft's first steps can pass the default 100 ms: decode plainly
+            # for them and the test sees no drafted token
+            "STEP_DEADLINE_MS": "5000"}
 
 
 def test_compose_shape():
@@ -84,6 +87,13 @@ def test_compose_shape():
     assert s["verify"]["depends_on"]["draft"]["condition"] == "service_healthy"
     assert all(svc["restart"] == "unless-stopped" for svc in s.values())
     assert s["collector"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    # the same-host carrier across the two containers: the draft's socket on a shared
+    # volume, its /dev/shm (the mailbox) through a shared IPC namespace
+    assert "--local-socket=/run/treespec/draft.sock" in s["draft"]["command"]
+    assert s["draft"]["ipc"] == "shareable" and s["verify"]["ipc"] == "service:draft"
+    for name in ("draft", "verify"):
+        assert "treespec-run:/run/treespec" in s[name]["volumes"]
+    assert "treespec-run" in spec["volumes"]
     moved = load({"DRAFT_GPU": "2", "VERIFY_GPU": "5", "TREESPEC_ENVELOPE": "tree-wide",
                   "TREESPEC_PROPOSER": "ngram"})["services"]
     assert moved["verify"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] \
@@ -107,10 +117,13 @@ def test_docker_compose_config_agrees(overrides):
             assert theirs[name]["command"] == ours[name]["command"]
             assert theirs[name]["healthcheck"]["test"] == ours[name]["healthcheck"]["test"]
             assert theirs[name]["environment"] == ours[name]["environment"]
-            (vol,) = theirs[name]["volumes"]
+            assert theirs[name]["ipc"] == ours[name]["ipc"]
+            models, run = theirs[name]["volumes"]
             src, dst, _ = ours[name]["volumes"][0].split(":")
-            assert (vol["target"], vol["read_only"]) == (dst, True)
-            assert Path(vol["source"]) == (ROOT / src).resolve()
+            assert (models["target"], models["read_only"]) == (dst, True)
+            assert Path(models["source"]) == (ROOT / src).resolve()
+            assert (run["type"], run["source"], run["target"]) == \
+                ("volume", "treespec-run", "/run/treespec")
 
 
 def _local(value: str, volumes: dict[str, str], hosts: dict[str, str]) -> str:
@@ -121,14 +134,20 @@ def _local(value: str, volumes: dict[str, str], hosts: dict[str, str]) -> str:
                   lambda m: hosts.get(m.group(0), f"127.0.0.1:{m.group(2)}"), value)
 
 
-def test_compose_commands_serve_locally(overrides):
+def test_compose_commands_serve_locally(overrides, tmp_path):
     spec = load(overrides)["services"]
     with OtlpReceiver() as otlp:
         hosts = {"collector:4317": f"127.0.0.1:{otlp.port}"}
         procs, checks = [], {}
         for name in ("draft", "verify"):     # verify's draft dependency: its reconnect loop
             svc = spec[name]
-            volumes = {v.split(":")[1]: v.split(":")[0] for v in svc["volumes"]}
+            volumes = {}
+            for v in svc["volumes"]:         # a named volume: a directory of this test's
+                src, dst = v.split(":")[:2]
+                if "/" not in src:
+                    src = str(tmp_path / src)
+                    os.makedirs(src, exist_ok=True)
+                volumes[dst] = src
             argv = cli_command(*[_local(a, volumes, hosts) for a in svc["command"]])
             env = {k: _local(str(v), volumes, hosts) for k, v in svc["environment"].items()}
             procs.append((name, argv, env))
@@ -148,9 +167,13 @@ def test_compose_commands_serve_locally(overrides):
                                            "--no-speculation")
             m = scrape(murl)
             dm = scrape(f"http://127.0.0.1:{overrides['DRAFT_METRICS_PORT']}/metrics")
+            log = verify.output()
+        # the draft's socket on the shared volume carried the steps (no busy polling on
+        # the CPU, so no mailbox)
+        assert "steps by unix socket" in log, log
         # services stopped: their last spans were flushed at exit
     assert spec_out["token_ids"] == plain["token_ids"]
-    assert spec_out["stats"]["draft_tokens"] > 0
+    assert spec_out["stats"]["draft_tokens"] > 0, (spec_out, log)
     assert value(m, "vllm:spec_decode_num_draft_tokens_total") == spec_out["stats"]["draft_tokens"]
     assert value(m, "vllm:spec_decode_num_accepted_tokens_total") == \
         spec_out["stats"]["accepted_tokens"]
