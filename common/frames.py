@@ -7,13 +7,14 @@ step-id rules, the same errors); only the carrier does. It spares thread wake-up
 gRPC core reads and writes in its own threads, while a socket read by an event loop
 that is already spinning (``common.aio.LoopSpinner``) needs no thread to wake. On an
 H200 host a standalone round trip took 0.09-0.16 ms against 0.25-0.62 ms on gRPC
-(``bench/hop_probe.py``). Drafts serve it only when asked (``--local-socket``): until
-the eighth session the services' event loop (uvloop) refused the abstract address and
-every "socket" run in bench/NOTES.md went by gRPC, so the served hop is still to be
-measured on this carrier. On that
-connection a client may also ask for a shared-memory mailbox (common/mailbox.py,
-``--draft-socket mailbox``), which takes the socket and both event loops' reads off
-the path of every message that fits.
+(``bench/hop_probe.py``). On that connection a client may also ask for a
+shared-memory mailbox (common/mailbox.py), which takes the socket and both event
+loops' reads off the path of every message that fits. Drafts serve the socket by
+default (``--local-socket auto``) and a busy-polling verify service asks for the
+mailbox (``--draft-socket auto``): a serving step's hop on the H200 took 0.33 ms
+through the mailbox, 0.45 ms on the socket alone and 0.78 ms on gRPC (bench/NOTES.md,
+eighth session; before it, uvloop refused the abstract address and every "socket"
+figure there was gRPC's).
 
 Frames: a 5-byte header, ``<I`` payload length and one kind byte, then the payload.
 
