@@ -4,6 +4,7 @@ the draft is up (the verify reconnects until it is)."""
 
 from __future__ import annotations
 
+import random
 import signal
 import socket
 from collections.abc import Iterator
@@ -14,10 +15,28 @@ from common.launch import ServiceProcess, child_env
 STARTUP_S = 120.0
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, below the kernel's ephemeral range: a port handed
+    out by bind(0) comes from that range, where any outgoing connection made before
+    a service binds it (an exporter, a gRPC channel) can take it first."""
+    low = max(1024, _ephemeral_low())
+    for _ in range(200):
+        port = random.randrange(max(1024, low // 2), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 @contextmanager
