@@ -45,6 +45,15 @@ def _wait_quietly(seconds: float) -> None:
         os.sched_yield()
 
 
+async def in_worker(pool, spinner: LoopSpinner | None, fn, *args):
+    """fn(*args) in the executor pool; a busy loop's spinner stands by meanwhile."""
+    run = asyncio.get_running_loop().run_in_executor
+    if spinner is None:
+        return await run(pool, fn, *args)
+    with spinner.standing_by():
+        return await run(pool, fn, *args)
+
+
 class LoopSpinner:
     """Keeps an event loop from sleeping for a while after each ``keep_hot()``.
 
@@ -74,7 +83,7 @@ class LoopSpinner:
 
     def __init__(self, hold_s: float = 0.02, rehearse: Callable[[], None] | None = None,
                  rehearse_every_s: float = 0.001, quiet_s: float | None = None,
-                 pollers: list[Callable[[], None]] | None = None) -> None:
+                 pollers: list[Callable[[], bool | None]] | None = None) -> None:
         self.hold_s = hold_s
         # called at every turn; one that returns true found work: no rehearsal or quiet
         # wait in that turn

@@ -26,8 +26,8 @@ class DraftConfig(ServiceConfig):
     # also serve Speculate on a Unix socket for a verify service on this host: auto
     # (an abstract socket named after the instance, on Linux; reachable only inside
     # this network namespace, so other hosts and containers keep gRPC), off, or a
-    # path / @name. With its shared-memory mailbox it cut the H200's hop from 0.8-1.35
-    # ms on gRPC to 0.43 ms (bench/NOTES.md, eighth session)
+    # path / @name. With its shared-memory mailbox a serving step's hop on the H200 was
+    # 0.33 ms against 0.78 ms on gRPC (bench/NOTES.md, eighth session)
     local_socket: str = "auto"
 
     def local_address(self, instance_id: str) -> str | None:

@@ -18,7 +18,6 @@ sequence comes back in ``Proposal.resync``.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from common import codec, frames, wire
-from common.aio import LoopSpinner
+from common.aio import LoopSpinner, in_worker
 from common.errors import InvalidRequest
 from draft_service.engine import REHEARSAL_SEQ_ID, DraftEngine
 from protos.treespec.v1 import treespec_pb2 as pb
@@ -98,18 +97,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         elif self._inline:
             reply = self._step(msg)
         else:
-            reply = await self._in_worker(msg)
+            reply = await in_worker(self._worker, self._spinner, self._step, msg)
         reply.received_unix_ns = received_ns
         reply.sent_unix_ns = time.time_ns()
         return reply
-
-    async def _in_worker(self, msg: pb.SpeculateRequest) -> pb.Proposal:
-        """A heavy proposer's step in the worker thread; a busy loop stands by."""
-        run = asyncio.get_running_loop().run_in_executor
-        if self._spinner is None:
-            return await run(self._worker, self._step, msg)
-        with self._spinner.standing_by():
-            return await run(self._worker, self._step, msg)
 
     def _step(self, msg: pb.SpeculateRequest) -> pb.Proposal:
         batch = self.engine.step(wire.spec_request_from_pb(msg))

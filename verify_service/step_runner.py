@@ -11,13 +11,12 @@ It keeps one core busy while requests run.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from common.aio import LoopSpinner, spin_until
+from common.aio import LoopSpinner, in_worker, spin_until
 from common.kv_cache import SeqPages
 from verify_service.graph_verifier import GraphVerifier
 from verify_service.verifier import StepResult, Verifier
@@ -45,10 +44,7 @@ class StepRunner:
 
     async def compute(self, fn, *args):
         """fn(*args) in the worker thread (the loop stands by meanwhile: common.aio)."""
-        if self._spinner is None:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-        with self._spinner.standing_by():
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await in_worker(self._pool, self._spinner, fn, *args)
 
     async def step(self, pages: list[SeqPages], roots: list[int], tokens: torch.Tensor | None,
                    parents: torch.Tensor | None, depth: int) -> StepResult:
