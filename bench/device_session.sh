@@ -50,6 +50,8 @@ run)
                        --out "$OUT/attention_probe.json" >>"$log" 2>&1 ;;
         cold) timeout "${COLD_S:-90}" python3 bench/cold_probe.py --out "$OUT/cold_probe.json" \
                   >>"$log" 2>&1 ;;
+        ab) timeout "${AB_S:-570}" python3 bench/transport_ab.py --out "$OUT/transport_ab.json" \
+                --work /tmp/bw ${AB_ARGS:-} >>"$log" 2>&1 ;;
         hop) timeout "${HOP_S:-120}" python3 bench/hop_probe.py --out "$OUT/hop_probe.json" \
                  >>"$log" 2>&1 ;;
         esac
