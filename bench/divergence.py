@@ -3,7 +3,7 @@
     python bench/divergence.py --out FILE [--shape qwen3-8b] [--steps 64]
 
 For each dtype (bf16, fp32), one random-weight model and one prompt, three
-in-process runs through the fixed-shape GraphVerifier:
+in-process runs through the fixed-shape Verifier:
   plain   N = 0 every step (the baseline);
   reject  a chain of 4 that is always wrong: every token is the bonus of a [root + 4]
           verify forward, so only the forward's shape differs from plain;
@@ -29,13 +29,14 @@ from bench.profile_step import random_model  # noqa: E402
 from common.devices import pick_device  # noqa: E402
 from common.forward_batch import build_forward_batch, chain_chunk  # noqa: E402
 from common.kv_cache import SeqPages  # noqa: E402
+from common.tree import TreeBatch  # noqa: E402
 from kernels.dispatch import select  # noqa: E402
-from verify_service.graph_verifier import GraphVerifier  # noqa: E402
+from verify_service.verifier import Verifier  # noqa: E402
 
 DEPTH = 4
 
 
-def generate(ver: GraphVerifier, prompt: list[int], steps: int, mode: str,
+def generate(ver: Verifier, prompt: list[int], steps: int, mode: str,
              ref: list[int] | None) -> tuple[list[int], int]:
     """Greedy tokens after the prompt (the prefill's first), and tokens accepted."""
     pages = [SeqPages()]
@@ -44,13 +45,13 @@ def generate(ver: GraphVerifier, prompt: list[int], steps: int, mode: str,
     parents = torch.arange(-1, DEPTH - 1, dtype=torch.int32).view(1, DEPTH)
     while len(out) < steps:
         if mode == "plain":
-            r = ver.step(pages, [out[-1]], None, None, 0)
+            r = ver.step(pages, [out[-1]], None, 0)
         else:
             k = len(out)
             prop = ref[k:k + DEPTH] if mode == "oracle" and ref[:k] == out else []
             prop = (prop + [ver.model.spec.vocab_size - 1] * DEPTH)[:DEPTH]
             tokens = torch.tensor([prop], dtype=torch.int32)
-            r = ver.step(pages, [out[-1]], tokens, parents, DEPTH)
+            r = ver.step(pages, [out[-1]], TreeBatch(tokens, parents), DEPTH)
             out += [prop[i] for i in r.accepted[0]]
             accepted += len(r.accepted[0])
         out.append(r.bonus[0])
@@ -63,7 +64,7 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 @torch.inference_mode()
-def top2_gap(ver: GraphVerifier, ids: list[int]) -> dict:
+def top2_gap(ver: Verifier, ids: list[int]) -> dict:
     """fp32 logits of the last position of a fresh prefill of ids: top-2 and gap."""
     pages = [SeqPages()]
     fb = build_forward_batch([chain_chunk(pages[0], ids)], ver.cache)
@@ -94,7 +95,7 @@ def main() -> None:
         model.inv_freq = model.inv_freq.float()
         prompt = torch.randint(0, model.spec.vocab_size, (a.ctx,), generator=g).tolist()
         cache = model.new_cache(4 * (-(-(a.ctx + a.steps + 2 * DEPTH + 8) // 16)) + 8, 16)
-        ver = GraphVerifier(model, cache, ops)
+        ver = Verifier(model, cache, ops)
         plain, _ = generate(ver, prompt, a.steps, "plain", None)
         r: dict = {}
         for mode in ("reject", "oracle"):

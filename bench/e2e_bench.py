@@ -4,47 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import sys
 import time
 from collections.abc import Collection
 from pathlib import Path
 
-import grpc
-
-from bench import sched_probe
 from bench.step_metrics import metrics_url, step_breakdown, step_sums
-from common import frames, wire
 from common.client import AsyncTreespecClient
 from common.launch import ServiceProcess, child_env, cli_command
-from common.spec_types import SeqUpdate, SpecRequest
-from protos.treespec.v1 import treespec_pb2 as pb
-from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
 BENCH = Path(__file__).resolve().parent
 
 
 def start(name: str, argv: list[str], timeout: float = 600,
-          cpus: set[int] | None = None, env: dict[str, str] | None = None) -> ServiceProcess:
-    """A service process; cpus pins it (and its threads) to those CPUs; env adds variables."""
-    if cpus:
-        argv = [sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, "
-                f"{sorted(cpus)}); os.execv(sys.argv[1], sys.argv[1:])", *argv]
+          env: dict[str, str] | None = None) -> ServiceProcess:
+    """A service process; env adds variables."""
     svc = ServiceProcess(name, argv, env=child_env(env))
     svc.wait_listening(timeout)
     return svc
-
-
-def disjoint_cpus() -> tuple[set[int], set[int]]:
-    """(verify's, draft's): the allowed CPUs split so that the two services never share
-    one, the first quarter left to this process (the client) and everything else."""
-    have = sorted(os.sched_getaffinity(0))
-    n = len(have)
-    if n < 2:
-        raise RuntimeError("pinning the services apart needs two CPUs")
-    q = max(1, n // 4) if n >= 4 else 0
-    return set(have[q:n - max(1, n // 4)]), set(have[n - max(1, n // 4):])
 
 
 def verify_argv(model: str, device: str, draft: str | None, max_batch: int,
@@ -78,22 +56,18 @@ async def _batch(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: 
 
 
 def throughput(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bool,
-               metrics: str | None = None, pids: dict[str, int] | None = None,
-               reps: int = 1) -> dict:
+               metrics: str | None = None, reps: int = 1) -> dict:
     """The batch's figures over one timed run, or over the median (by tok/s) of reps
-    runs, with every run's tok/s under tok_s_runs. pids: service processes whose
-    threads' scheduling to report (bench/sched_probe)."""
+    runs, with every run's tok/s under tok_s_runs."""
     marks: list[dict] = []
 
     def mark() -> None:
-        marks.append({**step_sums(metrics),
-                      **({"sched": sched_probe.snapshot(pids)} if pids else {})})
+        marks.append(step_sums(metrics))
 
     runs = asyncio.run(_batch(addr, prompts, max_tokens, no_spec, reps, mark))
     rates = [sum(s["completion_tokens"] for s in st) / dt for dt, st, _ in runs]
     i = sorted(range(reps), key=rates.__getitem__)[reps // 2]
     (dt, stats, ids), before, after = runs[i], marks[i], marks[i + 1]
-    sched = sched_probe.delta(before.pop("sched"), after.pop("sched")) if pids else None
     gen = sum(s["completion_tokens"] for s in stats)
     steps = sum(s["steps"] for s in stats)
     # the prefill's token is not a step's: leave it out of tokens per step
@@ -106,40 +80,7 @@ def throughput(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bo
             "drafted": sum(s["draft_tokens"] for s in stats),
             "fallback_steps": sum(s["fallback_steps"] for s in stats), "ids": ids,
             **({"tok_s_runs": rates, "runs_agree": all(r[2] == ids for r in runs)}
-               if reps > 1 else {}),
-            **({"sched": sched} if sched else {})}
-
-
-async def _hop_ms(draft_addr: str, prompt: list[int], gap_s: float = 0.0,
-                  carrier: str = "grpc", iters: int = 50) -> float:
-    """Median round trip of one Speculate message for one sequence to the draft
-    (replay instrument: next to no draft compute), i.e. the hop a step pays, on the
-    gRPC stream or the draft's local socket. gap_s idles between messages as a verify
-    forward does: after an idle gap both processes' threads wake from sleep, which a
-    back-to-back loop never measures (on a 2-core CPU VM: 0.78 ms back to back,
-    2.2-2.4 ms after 20 ms idle, by gRPC). Nothing spins here during the gap."""
-    async with grpc.aio.insecure_channel(draft_addr) as ch:
-        stub = pb_grpc.DrafterStub(ch)
-        if carrier == "grpc":
-            call = stub.Speculate()
-        else:
-            info = await stub.GetInfo(pb.DrafterInfoRequest())
-            call = await frames.FrameStream.open(info.local_socket, info.instance_id,
-                                                 pb.Proposal.FromString)
-        replies = aiter(call)
-        times = []
-        for step in range(1, iters + 1):
-            new = prompt if step == 1 else [prompt[step % len(prompt)]]
-            req = SpecRequest(step, [SeqUpdate(seq_id=1, committed_len=len(prompt) + step - 1,
-                                               new_tokens=new, full=step == 1)])
-            if gap_s:
-                await asyncio.sleep(gap_s)
-            t0 = time.perf_counter()
-            await call.write(wire.spec_request_to_pb(req))
-            await anext(replies)
-            times.append(time.perf_counter() - t0)
-        call.cancel()
-    return 1000 * sorted(times[5:])[len(times[5:]) // 2]
+               if reps > 1 else {})}
 
 
 def carrier_of(verify: ServiceProcess) -> str | None:
@@ -167,28 +108,22 @@ def first_divergence(ids: list[list[int]], refs: list[list[int]]) -> list[int | 
 def replay_phase(target: str, device: str, work: Path, label: str, drafting: tuple[str, ...],
                  sets: dict[int, list[list[int]]], max_tokens: int,
                  refs: dict[int, list[list[int]]], plain: dict[int, list[list[int]]],
-                 res: dict, hop: bool = False, draft_extra: tuple[str, ...] = (),
-                 verify_extra: tuple[str, ...] = (), pin: bool = False,
-                 env: dict[str, str] | None = None, reps: dict[int, int] | None = None
-                 ) -> dict[int, list[list[int]]]:
+                 res: dict, verify_extra: tuple[str, ...] = (),
+                 reps: dict[int, int] | None = None) -> dict[int, list[list[int]]]:
     """Both services with the replay instrument proposing refs (drafting: its
     --corrupt / --accept flags); returns the outputs. reps: timed runs by batch size
     (the median's figures are kept; default one)."""
     cont = work / f"{label}_continuations.json"
     cont.write_text(json.dumps([{"prompt": p, "continuation": c} for b in sets
                                 for p, c in zip(sets[b], refs[b])]))
-    v_cpus, d_cpus = disjoint_cpus() if pin else (None, None)
     d = start(f"{label}-draft", [sys.executable, str(BENCH / "replay.py"), "--continuations",
-                                 str(cont), *drafting, "--port", "0", *draft_extra],
-              cpus=d_cpus, env=env)
-    v = start("verify", verify_argv(target, device, d.addr, max(sets), verify_extra),
-              cpus=v_cpus, env=env)
+                                 str(cont), *drafting, "--port", "0"])
+    v = start("verify", verify_argv(target, device, d.addr, max(sets), verify_extra))
     outs: dict[int, list[list[int]]] = {}
     try:
         for b, prompts in sets.items():
             r = throughput(v.addr, prompts, max_tokens, no_spec=False, metrics=metrics_url(v),
-                           pids={"verify": v.proc.pid, "draft": d.proc.pid,
-                                 "client": os.getpid()}, reps=(reps or {}).get(b, 1))
+                           reps=(reps or {}).get(b, 1))
             outs[b] = r.pop("ids")
             vs_ref, vs_plain = first_divergence(outs[b], refs[b]), first_divergence(outs[b], plain[b])
             res[f"{label}_b{b}"] = dict(
@@ -199,16 +134,6 @@ def replay_phase(target: str, device: str, work: Path, label: str, drafting: tup
             print(f"{label} b={b}: {r['tok_s']:.1f} tok/s, {r['tokens_per_step']:.2f} tok/step,"
                   f" equal to plain decode: {res[f'{label}_b{b}']['lossless']}, to its "
                   f"reference: {res[f'{label}_b{b}']['identical_to_reference']}", flush=True)
-        if hop:
-            first = next(iter(sets.values()))[0]
-            # idle for one plain step between messages, as in serving
-            gap = res.get(f"plain_b{next(iter(sets))}", {}).get("step_ms", 5.0) / 1000
-            for carrier, key in (("grpc", "hop"), ("socket", "hop_socket")):
-                res[f"{key}_ms"] = asyncio.run(_hop_ms(d.addr, first, carrier=carrier))
-                res[f"{key}_idle_ms"] = asyncio.run(_hop_ms(d.addr, first, gap, carrier))
-                print(f"hop by {carrier}: {res[f'{key}_ms']:.3f} ms back to back, "
-                      f"{res[f'{key}_idle_ms']:.3f} ms after {gap * 1000:.1f} ms idle",
-                      flush=True)
     finally:
         v.stop()
         d.stop()
@@ -237,25 +162,13 @@ def model_phase(target: str, draft: str, device: str, draft_device: str,
         d.stop()
 
 
-# side-by-side variants at the first batch size: key -> (what differs, the draft's extra
-# flags, the verify service's extra flags); "nopoll" runs plain decode too
-AB_VARIANTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
-    "nopoll": ("plain and replay with busy polling off",
-               ("--busy-poll", "off"), ("--busy-poll", "off")),
-    "socket": ("replay with draft steps on the draft's local Unix socket without its "
-               "shared-memory mailbox", (), ("--draft-socket", "socket")),
-    "grpc": ("replay with draft steps on the gRPC stream (--draft-socket off)", (),
+# side-by-side variants at the first batch size: key -> (what differs, the verify
+# service's extra flags); "nopoll" runs plain decode too
+AB_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "nopoll": ("plain and replay with the verify's busy polling off", ("--busy-poll", "off")),
+    "grpc": ("replay with draft steps on the gRPC stream (--draft-socket off)",
              ("--draft-socket", "off")),
-    "draftsleep": ("replay with only the draft's busy polling off", ("--busy-poll", "off"), ()),
-    "pinned": ("replay with the two services pinned to disjoint CPUs", (), ()),
-    "norehearse": ("replay with neither busy loop rehearsing the hop's host work",
-                   ("--rehearse", "off"), ("--rehearse", "off")),
-    "loudspin": ("replay with both busy loops polling the kernel at every turn "
-                 "(TREESPEC_SPIN_QUIET_US=0)", (), ()),
 }
-
-
-VARIANT_ENV = {"loudspin": {"TREESPEC_SPIN_QUIET_US": "0"}}    # variables a variant sets
 
 
 def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
@@ -295,33 +208,25 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
                         plain, plain, res)
     # 3. replay instrument (chain of 4) at the set tokens per step.
     replay_phase(target, device, work, "replay", drafting, sets, max_tokens, refs, plain, res,
-                 hop=True, reps=reps)
-    for suffix, (_, draft_extra, verify_extra) in AB_VARIANTS.items():
-        if suffix not in ab or suffix == "nopoll":
+                 reps=reps)
+    b = batches[0]
+    for suffix, (_, verify_extra) in AB_VARIANTS.items():
+        if suffix not in ab:
             continue
-        b = batches[0]
+        if suffix == "nopoll":
+            v = start("verify", verify_argv(target, device, None, b, verify_extra))
+            try:
+                r = throughput(v.addr, sets[b], max_tokens, no_spec=True,
+                               metrics=metrics_url(v), reps=reps[b])
+                r.pop("ids")
+                res[f"plain_b{b}_nopoll"] = r
+                print(f"plain b={b}, busy poll off: {r['tok_s']:.1f} tok/s", flush=True)
+            finally:
+                v.stop()
         variant: dict = {}
         replay_phase(target, device, work, "replay", drafting, {b: sets[b]}, max_tokens,
-                     {b: refs[b]}, {b: plain[b]}, variant,
-                     draft_extra=draft_extra, verify_extra=verify_extra,
-                     env=VARIANT_ENV.get(suffix), pin=suffix == "pinned", reps=reps)
+                     {b: refs[b]}, {b: plain[b]}, variant, verify_extra=verify_extra, reps=reps)
         res.update({f"{k}_{suffix}": v for k, v in variant.items()})
-    if "nopoll" in ab:
-        b = batches[0]
-        _, draft_off, verify_off = AB_VARIANTS["nopoll"]
-        v = start("verify", verify_argv(target, device, None, b, verify_off))
-        try:
-            r = throughput(v.addr, sets[b], max_tokens, no_spec=True, metrics=metrics_url(v))
-            r.pop("ids")
-            res[f"plain_b{b}_nopoll"] = r
-            print(f"plain b={b}, busy poll off: {r['tok_s']:.1f} tok/s", flush=True)
-        finally:
-            v.stop()
-        nopoll: dict = {}
-        replay_phase(target, device, work, "replay", drafting, {b: sets[b]}, max_tokens,
-                     {b: refs[b]}, {b: plain[b]}, nopoll, draft_extra=draft_off,
-                     verify_extra=verify_off)
-        res.update({f"{k}_nopoll": v for k, v in nopoll.items()})
     # 4. the draft-model proposer (random weights: acceptance is near zero, so this
     #    measures what a draft costs, not what it buys). Its failure must not cost
     #    the figures above.

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.accept import commit_plan  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels import triton_backend as tb  # noqa: E402
 
@@ -180,7 +179,8 @@ def check_kv(g: torch.Generator, dev: torch.device, rows: list, ok: list) -> Non
         for b in range(batch):
             acc[b, :num[b]] = torch.sort(torch.randperm(64, generator=g)[:num[b]]).values.int()
         kv = torch.full((batch,), CTX, dtype=torch.int32)
-        seq, src, dst = commit_plan(acc.to(dev), num.to(dev), kv.to(dev))
+        seq, src, dst = path_moves(acc, num, CTX)
+        seq, src, dst = seq.to(dev), src.to(dev), dst.to(dev)
         table = torch.randperm(nb, generator=g).view(batch, per_seq).to(dev)
         fs, fd = table[seq, src // BS] * BS + src % BS, table[seq, dst // BS] * BS + dst % BS
         wk, wv = kc.clone(), vc.clone()
@@ -192,6 +192,16 @@ def check_kv(g: torch.Generator, dev: torch.device, rows: list, ok: list) -> Non
         us_ref = bench(lambda: ref.compact_kv(kc, vc, fs, fd))
         rows.append(dict(kernel="compact_kv", batch=batch, layers=LAYERS, moves=int(fs.numel()),
                          exact=good, triton_us=us, reference_us=us_ref, ok=good))
+
+
+def path_moves(accepted: torch.Tensor, num: torch.Tensor, kv_len: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(seq, src, dst) sequence-local slots moving each accepted path after its root."""
+    b, d = accepted.shape
+    i = torch.arange(d).expand(b, d)
+    src, dst = kv_len + 1 + accepted.long(), kv_len + 1 + i
+    keep = (i < num.long().unsqueeze(1)) & (src != dst)
+    return torch.arange(b).unsqueeze(1).expand(b, d)[keep], src[keep], dst[keep]
 
 
 def check_accept(g: torch.Generator, dev: torch.device, rows: list, ok: list) -> None:

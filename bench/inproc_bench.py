@@ -8,10 +8,11 @@ import time
 import torch
 
 from common.kv_cache import SeqPages
+from common.tree import TreeBatch
 from common.qwen3 import Qwen3Model
 from common.model_config import Qwen3Spec
 from kernels.dispatch import select
-from verify_service.graph_verifier import GraphVerifier
+from verify_service.verifier import Verifier
 
 
 def sync(device: torch.device) -> None:
@@ -116,7 +117,7 @@ def verify_latency_ms(model: Qwen3Model, ctx: int, batches: list[int], nodes: li
     bs = 16
     need = max(batches) * (-(-(ctx + max(nodes) + 2) // bs)) + 8
     cache = model.new_cache(need, bs)
-    verifier = GraphVerifier(model, cache, select(dev, kernels))
+    verifier = Verifier(model, cache, select(dev, kernels))
     g = torch.Generator().manual_seed(0)
     out: dict[str, dict[str, float]] = {}
     for b in batches:
@@ -132,7 +133,7 @@ def verify_latency_ms(model: Qwen3Model, ctx: int, batches: list[int], nodes: li
             times = []
             for it in range(iters + 3):
                 t0 = time.perf_counter()
-                verifier.step(pages, roots, tokens, parents, depth)
+                verifier.step(pages, roots, TreeBatch(tokens, parents) if n else None, depth)
                 times.append(time.perf_counter() - t0)
                 for p in pages:
                     p.kv_len = ctx

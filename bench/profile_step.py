@@ -28,12 +28,13 @@ from bench import shapes  # noqa: E402
 from bench.inproc_bench import copy_bandwidth, cuda_ms, random_trees, replay_ms  # noqa: E402
 from common.devices import pick_device  # noqa: E402
 from common.kv_cache import SeqPages  # noqa: E402
+from common.tree import TreeBatch  # noqa: E402
 from common.model_config import Qwen3Spec  # noqa: E402
 from common.qwen3 import Qwen3Model  # noqa: E402
 from kernels import reference  # noqa: E402
 from kernels.dispatch import KERNEL_NAMES, select  # noqa: E402
 from kernels.triton_common import set_pdl  # noqa: E402
-from verify_service.graph_verifier import GraphVerifier  # noqa: E402
+from verify_service.verifier import Verifier  # noqa: E402
 
 
 def random_model(name: str, dev: torch.device, plant: bool = False) -> Qwen3Model:
@@ -65,7 +66,7 @@ def gemv_table(model: Qwen3Model, bw: float) -> dict:
     return out
 
 
-def tree_profile(ver: GraphVerifier, pages: list[SeqPages], roots: list[int], ctx: int,
+def tree_profile(ver: Verifier, pages: list[SeqPages], roots: list[int], ctx: int,
                  nodes: list[int], out_dir: Path | None, steps: int = 5) -> dict:
     """Per tree size: replay ms, and each kernel's CUDA ms per step (profiler), so the
     cost a tree adds over a plain step shows kernel by kernel. Tables -> kernels.txt."""
@@ -78,12 +79,12 @@ def tree_profile(ver: GraphVerifier, pages: list[SeqPages], roots: list[int], ct
         tok = torch.randint(0, vocab, (1, n), generator=g, dtype=torch.int32) if n else None
         par = random_trees(1, n, depth, g) if n else None
         for _ in range(3):                      # capture and warm
-            ver.step(pages, roots, tok, par, depth)
+            ver.step(pages, roots, TreeBatch(tok, par) if n else None, depth)
             pages[0].kv_len = ctx
         graph = [v for k, v in ver.graphs.items() if k[0][0] == n][0]
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
-                ver.step(pages, roots, tok, par, depth)
+                ver.step(pages, roots, TreeBatch(tok, par) if n else None, depth)
                 pages[0].kv_len = ctx
             torch.cuda.synchronize()
         per_kernel = {e.key[:90]: round(e.device_time_total / 1000 / steps, 4)
@@ -132,7 +133,7 @@ def main() -> None:
     res["variants"] = {}
     for label, (ops, pdl) in variants.items():
         set_pdl(pdl)
-        ver = GraphVerifier(model, cache, ops)
+        ver = Verifier(model, cache, ops)
         pages = [SeqPages()]
         roots, _ = ver.prefill(pages, [prompt])
         row = {}
@@ -141,7 +142,7 @@ def main() -> None:
             for _ in range(30):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                ver.step(pages, roots, tok, par, depth)
+                ver.step(pages, roots, None if tok is None else TreeBatch(tok, par), depth)
                 times.append(time.perf_counter() - t0)
                 pages[0].kv_len = a.ctx         # back to the prompt: same context every step
             row[f"wall_ms_{n}"] = 1000 * sorted(times[5:])[len(times[5:]) // 2]

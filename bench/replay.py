@@ -23,10 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.tree import PAD, TreeEnvelope  # noqa: E402
+from common.tree import PAD, TreeBatch, TreeEnvelope  # noqa: E402
 
 
 class ReplayProposer:
+    needs_model = False
     target_hidden_layers: tuple[int, ...] = ()
     model = "replay-instrument"
     name = "replay-instrument"
@@ -65,7 +66,7 @@ class ReplayProposer:
             return i >= self.accept
         return self.rng.random() < self.corrupt
 
-    def propose(self, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, seq_ids: list[int]) -> TreeBatch:
         n = self.depth
         tokens, parents = [], []
         for s in seq_ids:
@@ -80,8 +81,8 @@ class ReplayProposer:
             tokens.append(draft + [0] * (n - k))
             parents.append(list(range(-1, k - 1)) + [PAD] * (n - k))
         shape = (len(seq_ids), n)
-        return (torch.tensor(tokens, dtype=torch.int32).view(shape),
-                torch.tensor(parents, dtype=torch.int32).view(shape))
+        return TreeBatch(torch.tensor(tokens, dtype=torch.int32).view(shape),
+                         torch.tensor(parents, dtype=torch.int32).view(shape))
 
 
 def main() -> None:
@@ -95,17 +96,12 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--local-socket", default="auto", help="as `treespec draft --local-socket`")
-    ap.add_argument("--busy-poll", default="on", choices=["auto", "on", "off"],
-                    help="as `treespec draft --busy-poll` (default on: the instrument stands "
-                         "in for a draft on a GPU, where auto means on)")
-    ap.add_argument("--rehearse", default="on", choices=["on", "off"],
-                    help="as `treespec draft --rehearse`")
     a = ap.parse_args()
     from draft_service import server
     from draft_service.config import DraftConfig
     env = TreeEnvelope(depth=a.depth, topk=1, num_nodes=a.depth, name=f"chain{a.depth}")
     cfg = DraftConfig(method="ngram", envelope=env, host=a.host, port=a.port, device="cpu",
-                      busy_poll=a.busy_poll, rehearse=a.rehearse, local_socket=a.local_socket)
+                      local_socket=a.local_socket)
     records = json.loads(Path(a.continuations).read_text())
     server.run(cfg, proposer=ReplayProposer(records, a.depth, a.corrupt, a.vocab, a.accept))
 

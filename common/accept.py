@@ -23,22 +23,34 @@ kv_len + 1 + n_i to kv_len + 1 + i, and kv_len advances by 1 + len(path).
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
+from common.kv_cache import PagedKVCache
 
-def commit_plan(accepted: torch.Tensor, num_accepted: torch.Tensor,
-                kv_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Slot moves that make each accepted path contiguous after its root.
 
-    accepted [B, D] node indices padded with -1; num_accepted [B]; kv_lens [B]
-    slots committed before the step. Returns (seq [M], src [M], dst [M]) as
-    sequence-local slot positions, only for moves with src != dst.
+def commit_kv(cache: PagedKVCache, ops: ModuleType, accepted: torch.Tensor,
+              num_accepted: torch.Tensor, kv_lens: torch.Tensor,
+              block_tables: torch.Tensor) -> None:
+    """Move each accepted path's KV into place, at a fixed shape and with no host sync.
+
+    accepted [B, D] node indices padded with -1, num_accepted [B], kv_lens [B]
+    committed slots before the step, block_tables [B, P]. Node n_i moves from slot
+    kv_len + 1 + n_i to kv_len + 1 + i; entries past num_accepted become moves of a
+    slot onto itself (past the new kv_len, never read again), so per sequence dst
+    increases strictly with src >= dst and one compaction kernel serves the batch.
+    Advancing kv_len is the caller's.
     """
     b, d = accepted.shape
-    i = torch.arange(d, device=accepted.device).expand(b, d)
-    base = kv_lens.long().unsqueeze(1) + 1
-    src = base + accepted.long()
-    dst = base + i
-    keep = (i < num_accepted.long().unsqueeze(1)) & (src != dst)
-    seq = torch.arange(b, device=accepted.device).unsqueeze(1).expand(b, d)
-    return seq[keep], src[keep], dst[keep]
+    bs = cache.block_size
+    i = torch.arange(d, device=accepted.device).unsqueeze(0)
+    base = kv_lens.long().unsqueeze(1) + 1                             # [B, 1]
+    dst = base + i                                                     # [B, D]
+    src = torch.where(i < num_accepted.long().unsqueeze(1), base + accepted.long(), dst)
+    table = block_tables.long()
+
+    def flat(pos: torch.Tensor) -> torch.Tensor:
+        return (torch.gather(table, 1, pos // bs) * bs + pos % bs).view(-1)
+
+    ops.compact_kv(cache.k, cache.v, flat(src), flat(dst))

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from common.cli import positive_int
 from common.client import Collector, Completion, ServerInfo, TreespecClient, tokens_per_step
 from common.demo_checkpoints import DemoModels, demo_models
 from common.launch import ServiceProcess, start_service
@@ -114,6 +115,17 @@ def _describe(models: DemoModels, method: str) -> None:
     else:
         print(f"Using the shipped checkpoints {models.target} (target) and {models.draft} (draft).")
     print(f"Proposer: {method}.")
+
+
+def add_arguments(m: argparse.ArgumentParser) -> None:
+    m.add_argument("--method", choices=["ngram", "model"],
+                   help="proposer (default: model with shipped checkpoints, else ngram)")
+    m.add_argument("--envelope", default="chain4", help="tree preset for the draft")
+    m.add_argument("--device", default="auto", help="device for both services")
+    m.add_argument("--max-tokens", type=positive_int, default=64)
+    m.add_argument("--cache-dir", help="where random demo checkpoints are kept "
+                   "(default ~/.cache/treespec)")
+    m.add_argument("--startup-timeout", type=float, default=180.0)
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -1,20 +1,11 @@
 """The Speculate stream on a Unix socket: the same-host carrier for draft steps.
 
-A verify service whose draft runs on the same host can carry the per-step
+A verify service whose draft runs on the same host carries the per-step
 SpeculateRequest / Proposal messages over a Unix socket instead of the gRPC
-stream. The messages and their meaning do not change (protobuf bytes, the same
-step-id rules, the same errors); only the carrier does. It spares thread wake-ups:
-gRPC core reads and writes in its own threads, while a socket read by an event loop
-that is already spinning (``common.aio.LoopSpinner``) needs no thread to wake. On an
-H200 host a standalone round trip took 0.09-0.16 ms against 0.25-0.62 ms on gRPC
-(``bench/hop_probe.py``). On that connection a client may also ask for a
-shared-memory mailbox (common/mailbox.py), which takes the socket and both event
-loops' reads off the path of every message that fits. Drafts serve the socket by
-default (``--local-socket auto``) and a busy-polling verify service asks for the
-mailbox (``--draft-socket auto``): a serving step's hop on the H200 took 0.33 ms
-through the mailbox, 0.45 ms on the socket alone and 0.78 ms on gRPC (bench/NOTES.md,
-eighth session; before it, uvloop refused the abstract address and every "socket"
-figure there was gRPC's).
+stream: no gRPC thread wakes up on the hop. The messages and their meaning do not
+change (protobuf bytes, the same step-id rules, the same errors); only the carrier
+does. Drafts serve the socket by default (``--local-socket auto``) and a verify
+service that reaches it uses it (``--draft-socket auto``).
 
 Frames: a 5-byte header, ``<I`` payload length and one kind byte, then the payload.
 
@@ -23,13 +14,6 @@ Frames: a 5-byte header, ``<I`` payload length and one kind byte, then the paylo
     MESSAGE  a serialized protobuf (SpeculateRequest one way, Proposal the other)
     ERROR    server -> client, last: "CODE\\nmessage" (a gRPC status code name), then
              the server closes the connection, as a gRPC stream ends with a status
-    MAILBOX_REQ  client -> server, right after the hello: use a shared-memory mailbox
-             (common/mailbox.py); the server answers MAILBOX with the file's path,
-             which the client maps and unlinks. From then on a message that fits
-             its slot travels through the mailbox, and
-    WAKE     either way: "look in the mailbox", sent only to a side that is not
-             spinning (the draft publishes until when it spins; the verify side
-             flags when it waits spinning)
 
 An address is a filesystem path, or ``@name`` for Linux's abstract namespace (no
 file; reachable from every process in the same network namespace).
@@ -45,10 +29,8 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Generic, Protocol, TypeVar
 
-from common.mailbox import TO_DRAFT, TO_VERIFY, Mailbox
-
-HELLO, MESSAGE, ERROR, MAILBOX_REQ, MAILBOX, WAKE = 1, 2, 3, 4, 5, 6
-KINDS = (HELLO, MESSAGE, ERROR, MAILBOX_REQ, MAILBOX, WAKE)
+HELLO, MESSAGE, ERROR = 1, 2, 3
+KINDS = (HELLO, MESSAGE, ERROR)
 _HEADER = struct.Struct("<IB")
 MAX_FRAME_BYTES = 64 * 1024 * 1024      # as the gRPC servers' message limit
 
@@ -156,13 +138,11 @@ class FrameStream(Generic[M]):
         self._reader = reader
         self._writer = writer
         self._parse = parse
-        self.mailbox: Mailbox | None = None
 
     @classmethod
-    async def open(cls, address: str, instance_id: str, parse, timeout_s: float = 2.0,
-                   mailbox: bool = False) -> FrameStream:
-        """Connect and check the server's hello against instance_id (FrameError if not);
-        with mailbox, also set up the shared-memory mailbox (FrameError if refused)."""
+    async def open(cls, address: str, instance_id: str, parse,
+                   timeout_s: float = 2.0) -> FrameStream:
+        """Connect and check the server's hello against instance_id (FrameError if not)."""
         reader, writer = await asyncio.wait_for(connect_unix(address), timeout_s)
         stream = cls(reader, writer, parse)
         try:
@@ -171,48 +151,20 @@ class FrameStream(Generic[M]):
                 raise FrameError(f"{address} did not greet with a hello frame")
             if hello[1].decode(errors="replace") != instance_id:
                 raise FrameError(f"{address} belongs to another draft instance")
-            if mailbox:
-                writer.writelines(pack(MAILBOX_REQ))
-                got = await asyncio.wait_for(read_frame(reader), timeout_s)
-                if got is None or got[0] != MAILBOX:
-                    raise FrameError(f"{address} offers no mailbox")
-                stream.mailbox = Mailbox.attach(got[1].decode())
-                stream.mailbox.unlink()        # mapped on both ends: the name can go
         except BaseException:
             stream.cancel()
             raise
         return stream
 
     async def write(self, msg: _Message) -> None:
-        data, mb = msg.SerializeToString(), self.mailbox
-        if mb is not None and mb.fits(data):
-            mb.post(TO_DRAFT, data)
-            if mb.draft_spinning():
-                return
-            self._writer.writelines(pack(WAKE))
-        else:
-            self._writer.writelines(pack(MESSAGE, data))
+        self._writer.writelines(pack(MESSAGE, msg.SerializeToString()))
         await self._writer.drain()
-
-    def poll(self) -> M | None:
-        """A reply waiting in the mailbox, if any (never blocks)."""
-        data = self.mailbox.take(TO_VERIFY) if self.mailbox is not None else None
-        return None if data is None else self._parse(data)
-
-    def waiting(self, spinning: bool) -> None:
-        """Tell the draft this side polls the mailbox now (else it sends replies as
-        frames)."""
-        if self.mailbox is not None:
-            self.mailbox.set_verify_waiting(spinning)
 
     async def __aiter__(self) -> AsyncIterator[M]:
         while (frame := await read_frame(self._reader)) is not None:
             kind, payload = frame
             if kind == MESSAGE:
                 yield self._parse(payload)
-            elif kind == WAKE:
-                if (msg := self.poll()) is not None:
-                    yield msg
             elif kind == ERROR:
                 code, _, message = payload.decode(errors="replace").partition("\n")
                 raise StreamFailed(code, message)
@@ -221,6 +173,3 @@ class FrameStream(Generic[M]):
 
     def cancel(self) -> None:
         self._writer.close()
-        mb, self.mailbox = self.mailbox, None
-        if mb is not None:
-            mb.close()

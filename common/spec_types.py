@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.tree import TreeEnvelope
+from common.tree import TreeBatch, TreeEnvelope
 
 
 @dataclass
@@ -33,13 +33,13 @@ class SpecRequest:
 
 
 @dataclass
-class TreeBatch:
-    """One fixed-shape tree per sequence, rows in the request's order."""
+class SpecResponse:
+    """The draft's answer to one SpecRequest: a tree per sequence, in the request's
+    order (padding rows for the sequences it asks to resync)."""
 
     step_id: int
     seq_ids: list[int]
-    tokens: torch.Tensor   # [B, N] int32
-    parents: torch.Tensor  # [B, N] int32, -1 root, -2 padding
+    trees: TreeBatch
     resync: list[int] = field(default_factory=list)
 
 

@@ -11,13 +11,13 @@ Example, ``tree-small``-like, N = 4::
          └ b(1) ─ d(3)          parents = [-1, -1, 0, 1]
 
 The *envelope* (depth, topk, num_nodes) is server configuration agreed at
-handshake: every proposal has tensors of shape [B, num_nodes], so verify and
-draft forwards can be captured once per batch bucket.
+handshake: every proposal is a ``TreeBatch`` of shape [B, num_nodes], so verify
+and draft forwards can be captured once per batch bucket.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -58,6 +58,53 @@ PRESETS: dict[str, TreeEnvelope] = {
     "tree-small": TreeEnvelope(depth=4, topk=2, num_nodes=8, name="tree-small"),
     "tree-wide": TreeEnvelope(depth=5, topk=4, num_nodes=32, name="tree-wide"),
 }
+
+
+@dataclass
+class TreeBatch:
+    """One tree per sequence of a batch, rows in the batch's order: what a proposer
+    returns, what crosses the hop, what the verify step takes.
+
+    tokens, parents: [B, N] int32 on the host (parents: ROOT, an earlier node or PAD;
+    a padding node's token is 0). q_ids, q_probs: [B, N, K] the distribution each
+    node's token was drawn from, sparse over K ids (the sampling issue fills them);
+    None means every node was chosen deterministically (a one-hot q).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    q_ids: torch.Tensor | None = None
+    q_probs: torch.Tensor | None = None
+
+    @classmethod
+    def padding(cls, batch: int, num_nodes: int) -> TreeBatch:
+        """All-padding rows: no node to verify."""
+        return cls(torch.zeros(batch, num_nodes, dtype=torch.int32),
+                   torch.full((batch, num_nodes), PAD, dtype=torch.int32))
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def scatter(self, rows: list[int], batch: int) -> TreeBatch:
+        """These trees as rows ``rows`` of a batch of ``batch`` rows, the others all
+        padding (the one place trees are re-rowed). Returns self when it already is
+        that batch."""
+        if rows == list(range(batch)):
+            return self
+        out = TreeBatch.padding(batch, self.tokens.shape[1])
+        for f in fields(self):
+            mine = getattr(self, f.name)
+            if mine is None:
+                continue
+            if getattr(out, f.name) is None:
+                setattr(out, f.name, mine.new_zeros((batch, *mine.shape[1:])))
+            if rows:
+                getattr(out, f.name)[rows] = mine
+        return out
+
+    def num_valid(self) -> list[int]:
+        """Non-padding nodes per row."""
+        return (self.parents != PAD).sum(1).tolist()
 
 
 def envelope_from(name: str | None = None, depth: int | None = None,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from common import codec
-from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, TreeBatch
-from common.tree import TreeEnvelope
+from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
+from common.tree import TreeBatch, TreeEnvelope
 from protos.treespec.v1 import treespec_pb2 as pb
 
 
@@ -55,16 +55,15 @@ def spec_request_from_pb(m: pb.SpeculateRequest, device: torch.device | str = "c
                        trace_context=dict(m.trace_context))
 
 
-def tree_batch_to_pb(t: TreeBatch, staging: codec.Staging | None = None) -> pb.Proposal:
-    return pb.Proposal(step_id=t.step_id, seq_ids=t.seq_ids,
-                       tokens=codec.encode(t.tokens.to(torch.int32), staging),
-                       parents=codec.encode(t.parents.to(torch.int32), staging),
-                       resync=t.resync)
+def response_to_pb(r: SpecResponse) -> pb.Proposal:
+    return pb.Proposal(step_id=r.step_id, seq_ids=r.seq_ids,
+                       tokens=codec.encode(r.trees.tokens.to(torch.int32)),
+                       parents=codec.encode(r.trees.parents.to(torch.int32)), resync=r.resync)
 
 
-def tree_batch_from_pb(m: pb.Proposal) -> TreeBatch:
+def response_from_pb(m: pb.Proposal) -> SpecResponse:
     """Raises codec.CodecError on tensors that are not int32 of matching shape."""
     tokens = codec.decode(m.tokens, expect_dtype=torch.int32)
     parents = codec.decode(m.parents, expect_dtype=torch.int32)
-    return TreeBatch(step_id=m.step_id, seq_ids=list(m.seq_ids), tokens=tokens,
-                     parents=parents, resync=list(m.resync))
+    return SpecResponse(step_id=m.step_id, seq_ids=list(m.seq_ids),
+                        trees=TreeBatch(tokens, parents), resync=list(m.resync))

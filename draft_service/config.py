@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from common import frames
 from common.service_config import ServiceConfig
 from common.tree import TreeEnvelope
 
-Method = Literal["ngram", "model", "eagle3"]
-METHODS: tuple[str, ...] = ("ngram", "model", "eagle3")
-
-
 @dataclass(frozen=True, kw_only=True)
 class DraftConfig(ServiceConfig):
-    method: Method
+    method: str                       # a draft_service.registry name
     envelope: TreeEnvelope
     model: str | None = None          # checkpoint dir (or shipped name) for model/eagle3
     target_embeddings: str | None = None  # eagle3 without embed_tokens: target ckpt / safetensors
@@ -26,8 +21,7 @@ class DraftConfig(ServiceConfig):
     # also serve Speculate on a Unix socket for a verify service on this host: auto
     # (an abstract socket named after the instance, on Linux; reachable only inside
     # this network namespace, so other hosts and containers keep gRPC), off, or a
-    # path / @name. With its shared-memory mailbox a serving step's hop on the H200 was
-    # 0.33 ms against 0.78 ms on gRPC (bench/NOTES.md, eighth session)
+    # path / @name
     local_socket: str = "auto"
 
     def local_address(self, instance_id: str) -> str | None:
@@ -40,9 +34,11 @@ class DraftConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.method not in METHODS:
-            raise ValueError(f"unknown draft method {self.method!r}; expected one of {METHODS}")
-        if self.method in ("model", "eagle3") and not self.model:
+        from draft_service.registry import PROPOSERS     # they take this config
+        if self.method not in PROPOSERS:
+            raise ValueError(f"unknown draft method {self.method!r}; expected one of "
+                             f"{tuple(PROPOSERS)}")
+        if PROPOSERS[self.method].needs_model and not self.model:
             raise ValueError(f"--method {self.method} needs --model")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")

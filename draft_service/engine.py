@@ -6,7 +6,7 @@ cache of them per sequence and checks every update against it:
 * ``full`` update: the sequence restarts from ``new_tokens`` (the whole list);
 * otherwise the sequence must be known and ``len(known) + len(new_tokens) ==
   committed_len``. If not, its state is dropped, its row is all padding and its
-  id goes into ``TreeBatch.resync`` (the verify side then sends ``full``);
+  id goes into ``SpecResponse.resync`` (the verify side then sends ``full``);
 * ``accepted_nodes`` reach the proposer only when ``accepted_step_id`` names the
   step whose tree this engine emitted for that sequence last; otherwise the
   proposer recomputes;
@@ -30,16 +30,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from common.errors import InvalidRequest
-from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, TreeBatch
-from common.tree import TreeEnvelope
+from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
+from common.tree import TreeBatch, TreeEnvelope
 from draft_service.config import DraftConfig
 from draft_service.observer import DraftObserver, DraftStepRecord, NullDraftObserver
-from draft_service.proposer import Proposer, padding_trees
+from draft_service.proposer import Proposer
 from draft_service.registry import build_proposer
 
 log = logging.getLogger(__name__)
-
-REHEARSAL_SEQ_ID = (1 << 64) - 1     # the largest id the wire carries (uint64)
 
 
 @dataclass
@@ -102,7 +100,7 @@ class DraftEngine:
             self._seqs.pop(s, None)
             self.proposer.release(s)
 
-    def step(self, req: SpecRequest) -> TreeBatch:
+    def step(self, req: SpecRequest) -> SpecResponse:
         """Apply req's updates and propose one tree per sequence, in request order."""
         t0 = time.time_ns()
         tp0 = tp1 = 0
@@ -113,16 +111,11 @@ class DraftEngine:
             live = [r for r, u in enumerate(req.seqs) if self._apply(u)]
             evicted = self._evict()
             live = [r for r in live if ids[r] not in evicted]
+            trees = TreeBatch.padding(len(ids), self.env.num_nodes)
             if live:
                 tp0 = time.time_ns()
-                t, p = self.proposer.propose([ids[r] for r in live])
+                trees = self.proposer.propose([ids[r] for r in live]).scatter(live, len(ids))
                 tp1 = time.time_ns()
-            if live and len(live) == len(ids):     # the usual case: the proposer's rows
-                tokens, parents = t, p
-            else:                                  # rows to resync get padding
-                tokens, parents = padding_trees(len(ids), self.env.num_nodes)
-                if live:
-                    tokens[live], parents[live] = t, p
         except Exception:
             self.release(ids)   # never leave a half-applied state behind
             raise
@@ -132,33 +125,9 @@ class DraftEngine:
         resync = [s for r, s in enumerate(ids) if r not in live_set]
         if resync:
             log.debug("step %d: resync %s", req.step_id, resync)
-        batch = TreeBatch(step_id=req.step_id, seq_ids=ids, tokens=tokens, parents=parents,
-                          resync=resync)
-        self.observer.step_finished(DraftStepRecord(req, batch, t0, tp0, tp1, time.time_ns()))
-        return batch
-
-    def rehearse(self, req: SpecRequest, propose: bool) -> TreeBatch:
-        """A step's host work on a throwaway request, leaving no state behind (see
-        common.aio.LoopSpinner): the checks and, with propose, the proposer's update
-        (whole, then one token more), propose and release of its one sequence,
-        REHEARSAL_SEQ_ID, which no verify service reaches (they count
-        from 1); the engine's own sequence table and observer never see it."""
-        check_request(req, self.env, self.proposer.vocab_size)
-        ids = [u.seq_id for u in req.seqs]
-        if ids != [REHEARSAL_SEQ_ID]:
-            raise ValueError(f"a rehearsal has one sequence, id {REHEARSAL_SEQ_ID}")
-        if not propose:
-            tokens, parents = padding_trees(len(ids), self.env.num_nodes)
-            return TreeBatch(step_id=req.step_id, seq_ids=ids, tokens=tokens, parents=parents)
-        u = req.seqs[0]
-        try:
-            self.proposer.update(u.seq_id, list(u.new_tokens), len(u.new_tokens), [], None)
-            self.proposer.propose(ids)
-            self.proposer.update(u.seq_id, [*u.new_tokens, u.new_tokens[-1]], 1, [0], None)
-            tokens, parents = self.proposer.propose(ids)
-        finally:
-            self.proposer.release(u.seq_id)
-        return TreeBatch(step_id=req.step_id, seq_ids=ids, tokens=tokens, parents=parents)
+        resp = SpecResponse(req.step_id, ids, trees, resync)
+        self.observer.step_finished(DraftStepRecord(req, resp, t0, tp0, tp1, time.time_ns()))
+        return resp
 
     def _apply(self, u: SeqUpdate) -> bool:
         """Bring one sequence up to date; False if it must resync."""

@@ -5,11 +5,6 @@ the same errors as the gRPC stream (``common.grpc_server.status_for``); only the
 carrier differs (common/frames.py says why). Each connection is one stream: a
 hello frame with the draft's instance id, then one Proposal per SpeculateRequest,
 in order. A malformed message ends the connection with an ERROR frame.
-
-A client that asks for a mailbox (common/mailbox.py) gets one per connection: the
-servicer's spinning loop looks into it at every turn (a WAKE frame says "look now"
-while it does not spin), and an answer goes into it while the client says it polls
-for one, else as a frame.
 """
 
 from __future__ import annotations
@@ -22,8 +17,7 @@ import time
 from google.protobuf.message import DecodeError
 
 from common import frames
-from common.mailbox import TO_DRAFT, TO_VERIFY, Mailbox
-from common.errors import InvalidRequest, Unavailable
+from common.errors import InvalidRequest
 from common.grpc_server import status_for
 from draft_service.servicer import DrafterServicer, StepOrder
 from protos.treespec.v1 import treespec_pb2 as pb
@@ -73,79 +67,44 @@ class LocalServer:
 
     async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Connection(self.servicer, writer)
-        try:
-            while True:
-                try:
-                    frame = await frames.read_frame(reader)
-                except frames.FrameError as e:
-                    await conn.fail(InvalidRequest(f"broken frame: {e}"))
-                    return
-                received = time.time_ns()
-                if frame is None or conn.failed:
-                    return
-                kind, payload = frame
-                if kind == frames.MESSAGE:
-                    await conn.handle(payload, received)
-                elif kind == frames.WAKE:
-                    conn.poll()
-                elif kind == frames.MAILBOX_REQ and conn.mailbox is None:
-                    try:
-                        conn.open_mailbox()
-                    except OSError as e:       # no /dev/shm here: the client falls back
-                        await conn.fail(Unavailable(f"no shared-memory mailbox: {e}"))
-                        return
-                else:
-                    await conn.fail(InvalidRequest(f"expected a SpeculateRequest frame, "
-                                                   f"got kind {kind}"))
-                    return
-        finally:
-            conn.close()
+        while True:
+            try:
+                frame = await frames.read_frame(reader)
+            except frames.FrameError as e:
+                await conn.fail(InvalidRequest(f"broken frame: {e}"))
+                return
+            received = time.time_ns()
+            if frame is None or conn.failed:
+                return
+            kind, payload = frame
+            if kind != frames.MESSAGE:
+                await conn.fail(InvalidRequest(f"expected a SpeculateRequest frame, "
+                                               f"got kind {kind}"))
+                return
+            await conn.handle(payload, received)
 
 
 class _Connection:
-    """One verify service's stream: its step order, its mailbox if it asked for one,
-    and the answers, written back the way the other side can read them now."""
+    """One verify service's stream: its step order and the answers it gets."""
 
     def __init__(self, servicer: DrafterServicer, writer: asyncio.StreamWriter) -> None:
         self.servicer = servicer
         self.writer = writer
         self.order = StepOrder()
-        self.mailbox: Mailbox | None = None
         self.failed = False
 
-    def open_mailbox(self) -> None:
-        self.mailbox = Mailbox.create()
-        self.servicer.pollers.append(self.poll)       # looked into at every spin turn
-        self.writer.writelines(frames.pack(frames.MAILBOX, self.mailbox.path.encode()))
-
-    def poll(self) -> bool:
-        """A request waiting in the mailbox is answered (the protocol has one in
-        flight); whether there was one."""
-        data = self.mailbox.take(TO_DRAFT) if self.mailbox is not None else None
-        if data is not None:
-            asyncio.get_running_loop().create_task(self.handle(data, time.time_ns()))
-        return data is not None
-
     async def handle(self, payload: bytes, received: int) -> None:
-        if self.failed:
-            return
         try:
             try:
                 msg = pb.SpeculateRequest.FromString(payload)
             except DecodeError as e:
                 raise InvalidRequest(f"undecodable SpeculateRequest: {e}") from e
             self.order.check(msg.step_id)
-            if self.mailbox is not None:      # spinning from now for the hold time
-                self.mailbox.set_draft_spinning_until(self.servicer.spinning_until_ns())
             reply = (await self.servicer.answer(msg, received)).SerializeToString()
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception as e:  # noqa: BLE001 - mapped to an error frame, never swallowed
             await self.fail(e)
-            return
-        mb = self.mailbox
-        if mb is not None and mb.verify_waiting() and mb.fits(reply):
-            mb.post(TO_VERIFY, reply)
             return
         if self.writer.is_closing():      # the stream ended while this step ran
             return
@@ -162,11 +121,3 @@ class _Connection:
                                                                               details)))
         await self.writer.drain()
         self.writer.close()
-
-    def close(self) -> None:
-        if self.mailbox is not None:
-            if self.poll in self.servicer.pollers:
-                self.servicer.pollers.remove(self.poll)
-            self.mailbox.unlink()
-            self.mailbox.close()
-            self.mailbox = None

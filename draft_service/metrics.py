@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.metrics import LATENCY_BUCKETS, MetricsServer
-from common.tree import PAD
 from draft_service.observer import DraftStepRecord
 
 if TYPE_CHECKING:
@@ -66,10 +65,10 @@ class DraftMetrics:
 
     def step_finished(self, r: DraftStepRecord) -> None:
         self.steps.inc()
-        rows = len(r.batch.seq_ids) - len(r.batch.resync)
+        rows = len(r.response.seq_ids) - len(r.response.resync)
         self.trees.inc(rows)
-        self.resyncs.inc(len(r.batch.resync))
-        self.proposed.inc(int((r.batch.parents != PAD).sum()))
+        self.resyncs.inc(len(r.response.resync))
+        self.proposed.inc(sum(r.response.trees.num_valid()))
         self.step_s.observe((r.t_end - r.t_start) * _NS)
         if r.t_propose:
             self.propose_s.observe((r.t_proposed - r.t_propose) * _NS)

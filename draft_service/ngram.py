@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 import torch
 
-from common.tree import PAD, ROOT, TreeEnvelope
+from common.tree import PAD, ROOT, TreeBatch, TreeEnvelope
 from draft_service.config import DraftConfig
 from draft_service.ngram_index import NgramIndex
 
@@ -63,9 +63,14 @@ class NgramProposer:
 
     name = "ngram"
     light = True
+    needs_model = False
     vocab_size = 0
     target_hidden_layers: tuple[int, ...] = ()
     model = ""
+
+    @classmethod
+    def from_config(cls, cfg: DraftConfig) -> NgramProposer:
+        return cls(cfg)
 
     def __init__(self, cfg: DraftConfig) -> None:
         self.env = cfg.envelope
@@ -81,7 +86,7 @@ class NgramProposer:
             new_count = len(tokens)
         index.extend(tokens[len(tokens) - new_count:])
 
-    def propose(self, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, seq_ids: list[int]) -> TreeBatch:
         rows_t, rows_p = [], []
         d = self.env.depth
         for s in seq_ids:
@@ -91,8 +96,8 @@ class NgramProposer:
             rows_t.append(t)
             rows_p.append(p)
         shape = (len(seq_ids), self.env.num_nodes)
-        return (torch.tensor(rows_t, dtype=torch.int32).view(shape),
-                torch.tensor(rows_p, dtype=torch.int32).view(shape))
+        return TreeBatch(torch.tensor(rows_t, dtype=torch.int32).view(shape),
+                         torch.tensor(rows_p, dtype=torch.int32).view(shape))
 
     def release(self, seq_id: int) -> None:
         self._index.pop(seq_id, None)

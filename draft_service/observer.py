@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from common.spec_types import SpecRequest, TreeBatch
+from common.spec_types import SpecRequest, SpecResponse
 
 
 @dataclass(frozen=True)
 class DraftStepRecord:
     request: SpecRequest     # as received; trace_context names the verify step's span
-    batch: TreeBatch         # as answered (padding rows for resynced sequences)
+    response: SpecResponse   # as answered (padding rows for resynced sequences)
     t_start: int             # time.time_ns(): step entered
     t_propose: int           # proposer.propose started (0 when every row resynced)
     t_proposed: int          # proposer.propose returned (0 likewise)

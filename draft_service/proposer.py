@@ -1,4 +1,4 @@
-"""The one interface every draft method implements, and the padded tree it fills.
+"""The one interface every draft method implements.
 
 The engine owns each sequence's committed token list and tells a proposer what
 changed; the proposer keeps whatever derived state it wants (an n-gram index, a
@@ -16,22 +16,23 @@ Calling convention, per speculative step:
    them only when they refer to that tree. ``hidden`` is
    ``[new_count, layers * hidden]`` target states, only for proposers that name
    ``target_hidden_layers``;
-3. ``propose(seq_ids)`` once for the batch: ``tokens, parents [B, N] int32``
-   host tensors, rows in ``seq_ids`` order, padded with ``parents = -2, tokens = 0``.
-   They are the proposer's to give away: the engine answers with them as they are.
+3. ``propose(seq_ids)`` once for the batch: a ``TreeBatch`` with rows in
+   ``seq_ids`` order (host tensors, the proposer's to give away).
 
 A proposer must tolerate anything the engine lets through (a state it dropped on
-its own, accepted nodes that do not match): it recomputes rather than fails.
+its own, accepted nodes that do not match): it recomputes rather than fails. A
+new method is one module with a class like this and one line in
+draft_service/registry.py.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
 import torch
 
-from common.tree import PAD
+from common.tree import TreeBatch
+from draft_service.config import DraftConfig
 
 
 class Proposer(Protocol):
@@ -41,37 +42,14 @@ class Proposer(Protocol):
     model: str                               # checkpoint it drafts with, "" if none
     light: bool                              # a step is host work far under 1 ms: the
                                              # servicer runs it on its event loop
+    needs_model: bool                        # DraftConfig.model is required
+
+    @classmethod
+    def from_config(cls, cfg: DraftConfig) -> Proposer: ...
 
     def update(self, seq_id: int, tokens: list[int], new_count: int,
                accepted_nodes: list[int], hidden: torch.Tensor | None) -> None: ...
 
-    def propose(self, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def propose(self, seq_ids: list[int]) -> TreeBatch: ...
 
     def release(self, seq_id: int) -> None: ...
-
-
-def padding_trees(batch: int, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-padding rows: tokens [B, N] = 0, parents [B, N] = -2 (int32, host)."""
-    return (torch.zeros(batch, num_nodes, dtype=torch.int32),
-            torch.full((batch, num_nodes), PAD, dtype=torch.int32))
-
-
-def warm_up(p: Proposer, lengths: tuple[int, ...] = (8, 200, 1100), batch: int = 8) -> float:
-    """Run what first requests run: first syncs of several lengths, a decode-sized
-    step after each, and a batch, so that Triton compiles and CUDA graph captures
-    (seconds on a GPU) happen before serving, not inside a step the verify service
-    waits for under its deadline. Sequences get ids no engine hands out (< 0) and
-    are released: no state or page is left behind. Returns the seconds taken."""
-    t0 = time.perf_counter()
-    groups = [[n] for n in lengths] + [[lengths[0]] * batch]
-    for g, sizes in enumerate(groups):
-        ids = [-1000 * (g + 1) - i for i in range(len(sizes))]
-        for sid, n in zip(ids, sizes):
-            p.update(sid, [1] * n, n, [], None)
-        p.propose(ids)
-        for sid, n in zip(ids, sizes):
-            p.update(sid, [1] * (n + 1), 1, [], None)
-        p.propose(ids)
-        for sid in ids:
-            p.release(sid)
-    return time.perf_counter() - t0

@@ -1,33 +1,20 @@
-"""Draft method name -> proposer factory. The one place a method is chosen."""
+"""Draft method name -> proposer class: the one place a method is named."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-
-from common.devices import pick_device
-
-from draft_service.config import DraftConfig, Method
+from draft_service.config import DraftConfig
 from draft_service.eagle3_proposer import Eagle3Proposer
 from draft_service.model_proposer import ModelProposer
 from draft_service.ngram import NgramProposer
-from draft_service.proposer import Proposer, warm_up
+from draft_service.proposer import Proposer
 
-log = logging.getLogger("treespec.draft")
-
-
-PROPOSERS: dict[Method, Callable[[DraftConfig], Proposer]] = {
+PROPOSERS: dict[str, type[Proposer]] = {
     "ngram": NgramProposer,
-    "model": ModelProposer.from_config,
-    "eagle3": Eagle3Proposer.from_config,
+    "model": ModelProposer,
+    "eagle3": Eagle3Proposer,
 }
 
 
 def build_proposer(cfg: DraftConfig) -> Proposer:
-    """The method's proposer; a model-backed one on a GPU is warmed up (kernel
-    compiles, graph captures) before it serves a step under a deadline."""
-    proposer = PROPOSERS[cfg.method](cfg)
-    if cfg.method != "ngram" and pick_device(cfg.device).type == "cuda":
-        log.info("%s warm-up (kernel compiles, graph captures) took %.1f s", cfg.method,
-                 warm_up(proposer))
-    return proposer
+    """The configured method's proposer, loaded (and warmed up on a GPU)."""
+    return PROPOSERS[cfg.method].from_config(cfg)

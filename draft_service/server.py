@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from common.devices import pick_device
 from common.grpc_server import run_server, start_server
 from common.telemetry import DRAFT_SERVICE_NAME, tracer_provider_from_env
 from draft_service.config import DraftConfig
@@ -76,9 +75,7 @@ def build_engine(cfg: DraftConfig, proposer: Proposer | None,
 async def _start(cfg: DraftConfig, proposer: Proposer | None,
                  tracer_provider: TracerProvider | None = None
                  ) -> tuple[grpc.aio.Server, int, DrafterServicer]:
-    device_type = pick_device(cfg.device).type
-    servicer = DrafterServicer(build_engine(cfg, proposer, tracer_provider),
-                               cfg.busy(device_type), cfg.rehearsing(device_type))
+    servicer = DrafterServicer(build_engine(cfg, proposer, tracer_provider))
     address = cfg.local_address(servicer.instance_id)
     if address is not None:     # before the gRPC server: GetInfo may advertise it at once
         local = LocalServer(servicer, address)

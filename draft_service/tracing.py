@@ -20,7 +20,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind
 
 from common.telemetry import extract, tracer_of
-from common.tree import PAD
 from draft_service.observer import DraftStepRecord
 
 
@@ -30,13 +29,13 @@ class DraftTracer:
         self._tracer = tracer_of(provider)
 
     def step_finished(self, r: DraftStepRecord) -> None:
-        b = r.batch
+        b = r.response
         step = self._tracer.start_span(
             "treespec.draft.step", context=extract(r.request.trace_context),
             kind=SpanKind.SERVER, start_time=r.t_start,
             attributes={"treespec.step_id": b.step_id, "treespec.sequences": len(b.seq_ids),
                         "treespec.seq_ids": b.seq_ids,
-                        "treespec.proposed_tokens": (b.parents != PAD).sum(1).tolist(),
+                        "treespec.proposed_tokens": b.trees.num_valid(),
                         "treespec.resync": b.resync,
                         "treespec.released": len(r.request.released)})
         if r.t_propose:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from common import codec, wire
-from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, TreeBatch
-from common.tree import PRESETS, TreeEnvelope
+from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
+from common.tree import PRESETS, TreeBatch, TreeEnvelope
 from protos.treespec.v1 import treespec_pb2 as pb
 
 
@@ -120,21 +120,22 @@ def test_spec_request_round_trip():
 def test_tree_batch_round_trip_casts_to_int32():
     tokens = torch.tensor([[11, 12, 21, 22], [5, 0, 0, 0]], dtype=torch.int64)
     parents = torch.tensor([[-1, -1, 0, 1], [-1, -2, -2, -2]], dtype=torch.int64)
-    tb = TreeBatch(step_id=3, seq_ids=[7, 8], tokens=tokens, parents=parents, resync=[8])
-    msg = pb_trip(wire.tree_batch_to_pb(tb))
+    tb = SpecResponse(step_id=3, seq_ids=[7, 8], trees=TreeBatch(tokens, parents), resync=[8])
+    msg = pb_trip(wire.response_to_pb(tb))
     assert msg.tokens.dtype == "int32" and list(msg.tokens.shape) == [2, 4]
-    out = wire.tree_batch_from_pb(msg)
+    out = wire.response_from_pb(msg)
     assert (out.step_id, out.seq_ids, out.resync) == (3, [7, 8], [8])
+    out = out.trees
     assert out.tokens.dtype == torch.int32 and out.parents.dtype == torch.int32
     assert torch.equal(out.tokens, tokens.int()) and torch.equal(out.parents, parents.int())
 
 
 def test_tree_batch_with_wrong_dtype_is_refused():
-    msg = wire.tree_batch_to_pb(TreeBatch(step_id=1, seq_ids=[1], tokens=torch.zeros(1, 4),
-                                          parents=torch.full((1, 4), -1)))
+    msg = wire.response_to_pb(SpecResponse(step_id=1, seq_ids=[1], trees=TreeBatch(
+        tokens=torch.zeros(1, 4), parents=torch.full((1, 4), -1))))
     msg.tokens.CopyFrom(codec.encode(torch.zeros(1, 4, dtype=torch.float32)))
     with pytest.raises(codec.CodecError, match="int32"):
-        wire.tree_batch_from_pb(msg)
+        wire.response_from_pb(msg)
 
 
 @pytest.mark.parametrize("envelope", [*PRESETS.values(), TreeEnvelope(3, 2, 5)])

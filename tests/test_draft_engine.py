@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from common.errors import InvalidRequest
 from common.spec_types import SeqUpdate, SpecRequest
-from common.tree import PAD, envelope_from, validate_tree
+from common.tree import PAD, TreeBatch, envelope_from, validate_tree
+from draft_service import engine as draft_engine
 from draft_service.config import DraftConfig
-from draft_service.engine import DraftEngine
 
 ENV = envelope_from("tree-small")
 N = ENV.num_nodes
+
+
+class DraftEngine(draft_engine.DraftEngine):
+    """The engine, its answers read flat: step ids, rows and the trees' tensors."""
+
+    def step(self, req: SpecRequest) -> SimpleNamespace:
+        r = super().step(req)
+        return SimpleNamespace(step_id=r.step_id, seq_ids=r.seq_ids, resync=r.resync,
+                               tokens=r.trees.tokens, parents=r.trees.parents)
 
 
 def ngram_engine(**kw) -> DraftEngine:
@@ -46,7 +57,7 @@ class Spy:
         p = torch.full((len(seq_ids), N), PAD, dtype=torch.int32)
         t[:, 0] = torch.tensor([s % 100 for s in seq_ids], dtype=torch.int32)
         p[:, 0] = -1
-        return t, p
+        return TreeBatch(t, p)
 
     def release(self, seq_id):
         self.released.append(seq_id)
@@ -181,35 +192,3 @@ def test_model_engine_resyncs_and_frees_pages(draft_dir):
         eng.step(SpecRequest(step_id=3, seqs=[full(3, [96])]))
     eng.step(SpecRequest(step_id=4, seqs=[], released=[1, 2]))
     assert blocks.num_free == start and eng.num_sequences == 0
-
-
-def test_rehearsals_between_steps_change_no_proposal_and_leave_no_state():
-    """The busy loop rehearses a step on a throwaway sequence between real steps
-    (common.aio.LoopSpinner): the real proposals must be exactly those of an engine
-    that never rehearsed, and nothing of the rehearsal may stay behind."""
-    from draft_service.servicer import DrafterServicer
-    text = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7, 8, 5, 6]
-    plain, rehearsed = ngram_engine(), ngram_engine()
-    servicer = DrafterServicer(rehearsed, busy_poll=True, rehearse=True)
-    for step in range(1, 6):
-        upd = [full(1, text[:8 + step]), full(2, text[:6 + step])]
-        servicer.rehearse()
-        want = plain.step(SpecRequest(step, upd))
-        got = rehearsed.step(SpecRequest(step, upd))
-        servicer.rehearse()
-        assert torch.equal(want.tokens, got.tokens) and torch.equal(want.parents, got.parents)
-    assert rehearsed.num_sequences == 2
-    assert set(rehearsed.proposer._index) == {1, 2}         # the ngram proposer's own table
-    servicer.close()
-
-
-def test_rehearsal_refuses_a_real_sequence_and_skips_a_heavy_proposer():
-    from draft_service.engine import REHEARSAL_SEQ_ID
-    eng, spy = spy_engine()
-    with pytest.raises(ValueError, match="rehearsal"):
-        eng.rehearse(SpecRequest(1, [full(3, [1, 2])]), propose=True)
-    batch = eng.rehearse(SpecRequest(1, [full(REHEARSAL_SEQ_ID, [1, 2])]), propose=False)
-    assert spy.updates == [] and (batch.parents == PAD).all()
-    batch = eng.rehearse(SpecRequest(1, [full(REHEARSAL_SEQ_ID, [1, 2])]), propose=True)
-    assert [u[2] for u in spy.updates] == [2, 1] and spy.released == [REHEARSAL_SEQ_ID]
-    assert eng.num_sequences == 0

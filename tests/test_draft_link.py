@@ -14,12 +14,14 @@ import torch
 
 from common import codec
 from common.grpc_server import start_server
-from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, TreeBatch
-from common.tree import PRESETS
+from common.spec_types import DrafterInfo
+from common.tree import PRESETS, TreeBatch
 from common.wire import drafter_info_to_pb
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 from verify_service.draft_link import DraftLink
+from verify_service.request import GenRequest
+from verify_service.sequence import Sequence
 
 ENV = PRESETS["chain4"]
 
@@ -49,17 +51,28 @@ class ScriptedDrafter(pb_grpc.DrafterServicer):
                               tokens=codec.encode(tokens), parents=codec.encode(parents))
 
 
-def _req(step: int) -> SpecRequest:
-    return SpecRequest(step, [SeqUpdate(seq_id=1, committed_len=3 + step,
-                                        new_tokens=[1, 2, 3] if step == 1 else [4],
-                                        full=step == 1)])
+SEQ = Sequence(GenRequest(prompt_ids=(1, 2, 3), max_tokens=100), frozenset(), 1000)
+
+
+async def _propose(link: DraftLink, deadline_s: float):
+    """One step for SEQ (one token committed after each), its answer as the engine
+    sees it: the trees with their step id, or the fallback reason."""
+    link.deadline_s = deadline_s
+    got = await link.propose([SEQ], {})
+    SEQ.commit([4])
+    if got.trees is None:
+        return got.fallback
+    tree = TreeBatch(got.trees.tokens, got.trees.parents)
+    tree.step_id = got.step_id
+    return tree
 
 
 async def _linked(drafter: ScriptedDrafter):
     server, port = await start_server(
         "127.0.0.1", 0, lambda s: pb_grpc.add_DrafterServicer_to_server(drafter, s),
         ["treespec.v1.Drafter"])
-    link = DraftLink(f"127.0.0.1:{port}", reconnect_s=30, vocab_size=64, num_layers=2)
+    link = DraftLink(f"127.0.0.1:{port}", reconnect_s=30, deadline_s=1.0, vocab_size=64,
+                     num_layers=2)
     link.start()
     for _ in range(250):
         if link.ready:
@@ -73,11 +86,11 @@ def test_late_answers_give_deadline_then_busy_and_are_never_applied():
     async def go():
         server, link = await _linked(ScriptedDrafter({2: 0.4}))
         try:
-            got = [await link.propose(_req(1), 1.0)]
-            got.append(await link.propose(_req(2), 0.1))        # answered at 0.4 s
-            got.append(await link.propose(_req(3), 1.0))        # step 2 still running
+            got = [await _propose(link, 1.0)]
+            got.append(await _propose(link, 0.1))               # answered at 0.4 s
+            got.append(await _propose(link, 1.0))               # step 2 still running
             await asyncio.sleep(0.5)                            # its answer lands
-            got.append(await link.propose(_req(4), 1.0))
+            got.append(await _propose(link, 1.0))
             return got
         finally:
             await link.close()
@@ -86,8 +99,8 @@ def test_late_answers_give_deadline_then_busy_and_are_never_applied():
     first, late, busy, after = asyncio.run(go())
     assert isinstance(first, TreeBatch) and first.step_id == 1
     assert late == "deadline" and busy == "busy"
-    assert isinstance(after, TreeBatch) and after.step_id == 4
-    assert bool((after.tokens == 4).all())      # step 2's late tree was dropped
+    assert isinstance(after, TreeBatch) and after.step_id == 3
+    assert bool((after.tokens == 3).all())      # step 2's late tree was dropped
 
 
 def test_a_drafter_going_away_mid_wait_is_disconnected_at_once():
@@ -95,9 +108,9 @@ def test_a_drafter_going_away_mid_wait_is_disconnected_at_once():
         drafter = ScriptedDrafter({2: None})
         server, link = await _linked(drafter)
         try:
-            assert isinstance(await link.propose(_req(1), 5.0), TreeBatch)
+            assert isinstance(await _propose(link, 5.0), TreeBatch)
             t0 = time.perf_counter()
-            why = await link.propose(_req(2), 5.0)
+            why = await _propose(link, 5.0)
             return why, time.perf_counter() - t0, link.ready
         finally:
             await link.close()
@@ -105,20 +118,3 @@ def test_a_drafter_going_away_mid_wait_is_disconnected_at_once():
 
     why, waited, ready = asyncio.run(go())
     assert why == "disconnected" and waited < 2.0 and not ready
-
-
-def test_rehearsal_runs_the_hops_host_work_for_every_envelope():
-    """The verify loop rehearses encoding a request and decoding and checking a
-    proposal while it spins (common.aio.LoopSpinner): a no-op before the draft has
-    said its envelope, and it must pass its own checks for every preset."""
-    link = DraftLink("127.0.0.1:1", 1.0, vocab_size=100, num_layers=2)
-    link.rehearse()                       # not connected: nothing to rehearse yet
-    for env in PRESETS.values():
-        link.info = DrafterInfo(envelope=env, vocab_size=100, proposer="ngram",
-                                target_hidden_layers=(), model="")
-        link.rehearse()
-        assert link._rehearsal[0] is link.info
-    link._rehearsal = None
-    link._waiter = object()               # a step waits for its answer: no rehearsal
-    link.rehearse()
-    assert link._rehearsal is None

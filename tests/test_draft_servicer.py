@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -48,6 +49,13 @@ def req(step: int, seqs: list[SeqUpdate], released: list[int] = ()) -> pb.Specul
     return wire.spec_request_to_pb(SpecRequest(step_id=step, seqs=seqs, released=list(released)))
 
 
+def proposal(msg: pb.Proposal) -> SimpleNamespace:
+    """A Proposal's fields, its trees' tensors among them."""
+    r = wire.response_from_pb(msg)
+    return SimpleNamespace(step_id=r.step_id, seq_ids=r.seq_ids, resync=r.resync,
+                           tokens=r.trees.tokens, parents=r.trees.parents)
+
+
 def full(seq_id: int, tokens: list[int]) -> SeqUpdate:
     return SeqUpdate(seq_id, committed_len=len(tokens), new_tokens=list(tokens), full=True)
 
@@ -64,7 +72,7 @@ def test_info_stream_health_reflection():
             req(3, [SeqUpdate(2, 9, [9]), SeqUpdate(1, 8, [2])]),        # 2: wrong length
             req(4, [full(2, [9, 9, 9])], released=[1]),
         ])
-        trees = [wire.tree_batch_from_pb(p) for p in out]
+        trees = [proposal(p) for p in out]
         assert [t.step_id for t in trees] == [1, 2, 3, 4]
         assert [t.seq_ids for t in trees] == [[1, 2], [1, 2], [2, 1], [2]]
         assert [t.resync for t in trees] == [[], [], [2], []]
@@ -129,12 +137,12 @@ def test_model_method_over_grpc(draft_dir):
         stub = pb_grpc.DrafterStub(ch)
         info = await stub.GetInfo(pb.DrafterInfoRequest())
         assert info.vocab_size == 96 and info.proposer == "model"
-        first = wire.tree_batch_from_pb((await stream(stub, [req(1, [full(1, [1, 2, 3])])]))[0])
+        first = proposal((await stream(stub, [req(1, [full(1, [1, 2, 3])])]))[0])
         node0 = int(first.tokens[0, 0])
         # a second stream continues the same engine state
         out = await stream(stub, [req(2, [SeqUpdate(1, 5, [node0, 8], accepted_nodes=[0],
                                                      accepted_step_id=1)])])
-        t = wire.tree_batch_from_pb(out[0])
+        t = proposal(out[0])
         assert t.resync == [] and validate_tree(t.tokens, t.parents, ENV.num_nodes, 96) is None
         assert (t.parents != PAD).all()
 
@@ -152,34 +160,25 @@ RUN_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("method", ["ngram", "model"])
 def test_light_proposers_step_on_the_event_loop_others_on_the_worker(method, draft_dir):
     """The n-gram proposer's step (host work of microseconds) runs on the server's
-    event-loop thread; a model's runs on the engine's worker thread, while the busy
-    loop stands by (common.aio.LoopSpinner.standing_by: it would take the GIL back
-    between the worker's torch calls)."""
-    import gc
+    event-loop thread; a model's runs on the engine's worker thread."""
     import threading
 
-    from draft_service.servicer import DrafterServicer
     cfg = DraftConfig(method=method, model=str(draft_dir) if method == "model" else None,
-                      envelope=ENV, device="cpu", busy_poll="on")
-    threads: list[tuple[str, int]] = []
+                      envelope=ENV, device="cpu")
+    threads: list[str] = []
 
     async def body(ch, engine):
-        servicer = next(o for o in gc.get_objects() if isinstance(o, DrafterServicer)
-                        and o.engine is engine)
         propose = engine.proposer.propose
 
         def spy(seq_ids):
-            threads.append((threading.current_thread().name,
-                            servicer._spinner._standing_by))
+            threads.append(threading.current_thread().name)
             return propose(seq_ids)
         engine.proposer.propose = spy
         loop_thread = threading.current_thread().name
         got = await stream(pb_grpc.DrafterStub(ch), [req(1, [full(1, [1, 2, 3, 1, 2])])])
         assert len(got) == 1 and threads
-        on_loop = all(t == loop_thread for t, _ in threads)
+        on_loop = all(t == loop_thread for t in threads)
         assert on_loop == (method == "ngram"), (threads, loop_thread)
-        assert all(by == (0 if on_loop else 1) for _, by in threads), threads
-        assert servicer._spinner._standing_by == 0
     serve(cfg, body)
 
 
@@ -216,7 +215,7 @@ def test_a_warm_up_ping_is_answered_empty_and_touches_no_state():
         assert [p.step_id for p in out] == [1, 2, 3]
         assert not ping.seq_ids and not ping.HasField("tokens") and not ping.HasField("parents")
         assert ping.sent_unix_ns >= ping.received_unix_ns > 0
-        last = wire.tree_batch_from_pb(out[2])
+        last = proposal(out[2])
         assert last.resync == [] and last.tokens[0, 0].item() == 1       # 1 2 3 1 2 3 -> 1
         assert engine.num_sequences == 1
     serve(DraftConfig(method="ngram", envelope=ENV), body)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
-from pathlib import Path
 
 import grpc
 import pytest
@@ -30,30 +29,24 @@ PROMPT = [1, 5, 9, 13, 2, 7, 1, 5, 9, 13, 2]
 MAX_TOKENS = 16
 
 
-@pytest.mark.parametrize("draft_socket, local_socket, carrier, draft_busy", [
-    ("socket", "auto", "unix socket", "auto"),
-    ("socket", "path", "unix socket", "auto"),
-    ("off", "auto", "grpc", "auto"),
-    ("auto", "off", "grpc", "auto"),
-    ("auto", None, "unix socket + mailbox", "on"),   # both defaults (the verify busy polls)
-    ("mailbox", "auto", "unix socket + mailbox", "auto"),   # the draft woken by frames
-    ("mailbox", "auto", "unix socket + mailbox", "on"),     # the draft polls the mailbox
-    ("mailbox", "off", "grpc", "auto"),
+@pytest.mark.parametrize("draft_socket, local_socket, carrier", [
+    ("auto", "auto", "unix socket"),
+    ("auto", "path", "unix socket"),
+    ("auto", None, "unix socket"),                  # both defaults
+    ("off", "auto", "grpc"),
+    ("auto", "off", "grpc"),
 ])
-def test_carrier_choice_is_lossless(target_dir, tmp_path, draft_socket, local_socket, carrier,
-                                    draft_busy):
+def test_carrier_choice_is_lossless(target_dir, tmp_path, draft_socket, local_socket, carrier):
     if local_socket == "path":
         local_socket = str(tmp_path / "draft.sock")
-    draft_kw = {"busy_poll": draft_busy}
+    draft_kw = {}
     if local_socket is not None:
         draft_kw["local_socket"] = local_socket
-    before = _shm_files()
 
     async def go():
-        # fixed steps, polled from the loop, as on a GPU
+        # steps polled from the loop, as on a GPU
         async with services(target_dir, "model", target_dir, "chain4",
-                            draft_kw=draft_kw, draft_socket=draft_socket,
-                            step_mode="fixed", busy_poll="on") as h:
+                            draft_kw=draft_kw, draft_socket=draft_socket, busy_poll="on") as h:
             assert h["engine"].link.carrier == carrier
             async with AsyncTreespecClient(h["addr"]) as c:
                 out = await c.generate(prompt_ids=PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -65,7 +58,6 @@ def test_carrier_choice_is_lossless(target_dir, tmp_path, draft_socket, local_so
     assert used == 0
     if local_socket and local_socket.endswith(".sock"):
         assert not os.path.exists(local_socket)     # removed when the draft stopped
-    assert _shm_files() <= before                   # no mailbox file left behind
 
 
 def _serve(cfg: DraftConfig, body) -> None:
@@ -127,11 +119,9 @@ def test_malformed_frames_end_the_stream_with_invalid_argument(data, message):
     _serve(DraftConfig(method="ngram", envelope=ENV, local_socket="auto"), body)
 
 
-async def _proposals(carrier: str, steps: list[pb.SpeculateRequest], draft_busy: str = "auto",
-                     waiting: bool = False) -> list:
-    """Each step's proposal from a fresh draft, by gRPC, the socket or its mailbox
-    (waiting: this side says it polls, so answers come back through the mailbox too)."""
-    cfg = DraftConfig(method="ngram", envelope=ENV, busy_poll=draft_busy,
+async def _proposals(carrier: str, steps: list[pb.SpeculateRequest]) -> list:
+    """Each step's proposal from a fresh draft, by gRPC or the socket."""
+    cfg = DraftConfig(method="ngram", envelope=ENV,
                       local_socket="off" if carrier == "grpc" else "auto")
     server, port, _ = await start(cfg)
     try:
@@ -140,33 +130,17 @@ async def _proposals(carrier: str, steps: list[pb.SpeculateRequest], draft_busy:
             info = await stub.GetInfo(pb.DrafterInfoRequest())
             assert info.instance_id and bool(info.local_socket) == (carrier != "grpc")
             if carrier == "grpc":
-                return [wire.tree_batch_from_pb(p) async for p in stub.Speculate(_iter(steps))]
+                return [wire.response_from_pb(p) async for p in stub.Speculate(_iter(steps))]
             s = await frames.FrameStream.open(info.local_socket, info.instance_id,
-                                              pb.Proposal.FromString,
-                                              mailbox=carrier == "mailbox")
-            s.waiting(waiting)
+                                              pb.Proposal.FromString)
             replies = aiter(s)
-            framed = None                # a read of the next framed answer, when waiting
             try:
                 out = []
                 for m in steps:
                     await s.write(m)
-                    if waiting:          # as DraftLink does: the mailbox, or a frame
-                        framed = framed or asyncio.ensure_future(anext(replies))
-                        async with asyncio.timeout(5):
-                            while (got := s.poll()) is None and not framed.done():
-                                await asyncio.sleep(0)
-                        if got is None:
-                            got, framed = framed.result(), None
-                    else:
-                        got = await anext(replies)
-                    out.append(wire.tree_batch_from_pb(got))
-                if s.mailbox is not None:           # what travelled through it, each way
-                    out.append((s.mailbox._sent[0], s.mailbox._seen[1]))
+                    out.append(wire.response_from_pb(await anext(replies)))
                 return out
             finally:
-                if framed is not None:
-                    framed.cancel()
                 s.cancel()
     finally:
         await server.stop(None)
@@ -187,7 +161,8 @@ def test_the_stream_over_the_socket_matches_grpc():
     assert len(by_socket) == len(by_grpc) == 3
     for a, b in zip(by_socket, by_grpc):
         assert (a.step_id, a.seq_ids, a.resync) == (b.step_id, b.seq_ids, b.resync)
-        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+        assert a.trees.tokens.tolist() == b.trees.tokens.tolist()
+        assert a.trees.parents.tolist() == b.trees.parents.tolist()
 
 
 def test_a_socket_of_another_instance_is_refused():
@@ -202,56 +177,3 @@ def test_a_socket_of_another_instance_is_refused():
 def test_bad_local_socket_flag_is_refused():
     with pytest.raises(ValueError, match="--local-socket"):
         DraftConfig(method="ngram", envelope=ENV, local_socket="@")
-
-
-def test_a_refused_mailbox_leaves_the_socket(target_dir, monkeypatch):
-    """A draft that cannot make a mailbox (no /dev/shm in its container) ends that
-    connection; the verify service reconnects on the socket alone, not on gRPC."""
-    from common.mailbox import Mailbox
-
-    def no_shm(*args, **kwargs):
-        raise OSError("no /dev/shm here")
-    monkeypatch.setattr(Mailbox, "create", no_shm)
-
-    async def go():
-        async with services(target_dir, "model", target_dir, "chain4",
-                            draft_kw={"busy_poll": "on"}, step_mode="fixed",
-                            busy_poll="on") as h:
-            carrier = h["engine"].link.carrier
-            async with AsyncTreespecClient(h["addr"]) as c:
-                out = await c.generate(prompt_ids=PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True)
-            return carrier, out
-    carrier, out = asyncio.run(go())
-    assert carrier == "unix socket"
-    assert out.token_ids == greedy_reference(target_dir, PROMPT, MAX_TOKENS)
-
-
-def _shm_files() -> set:
-    shm = Path("/dev/shm")
-    return {p.name for p in shm.iterdir() if "treespec" in p.name} if shm.exists() else set()
-
-
-@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
-@pytest.mark.parametrize("draft_busy, waiting", [("off", False), ("off", True), ("on", True)])
-def test_the_stream_through_the_mailbox_matches_grpc(monkeypatch, draft_busy, waiting):
-    """Requests through the mailbox (woken by a frame when the draft does not spin),
-    answers through it while this side waits polling, else as frames; a message
-    larger than its slot (the first full sync here) takes the socket. Same proposals
-    as gRPC, and no shared-memory file is left behind."""
-    import common.mailbox
-    monkeypatch.setattr(common.mailbox, "SLOT_BYTES", 200)
-    steps = [req(1, [full(1, [1, 2, 3] * 100 + [1, 2, 5, 6, 7, 1, 2]), full(2, [9])]),
-             req(2, [SeqUpdate(1, 308, [3]), SeqUpdate(2, 2, [9])]),
-             req(3, [SeqUpdate(2, 3, [9])], released=[1]),
-             req(4, [SeqUpdate(2, 4, [9])])]
-    before = _shm_files()
-    *by_mailbox, (requests, answers) = asyncio.run(_proposals("mailbox", steps, draft_busy,
-                                                               waiting))
-    by_grpc = asyncio.run(_proposals("grpc", steps))
-    assert len(by_mailbox) == len(by_grpc) == 4
-    # all but the 300-token first sync went through the mailbox, answers too when waiting
-    assert requests == 3 and answers == (4 if waiting else 0)
-    for a, b in zip(by_mailbox, by_grpc):
-        assert (a.step_id, a.seq_ids, a.resync) == (b.step_id, b.seq_ids, b.resync)
-        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
-    assert _shm_files() <= before

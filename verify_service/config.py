@@ -17,10 +17,13 @@ class VerifyConfig(ServiceConfig):
     prefill_tokens: int = 4096        # prompt tokens admitted per engine iteration
     step_deadline_ms: float = 100.0   # wait this long for a proposal, then plain decode
     reconnect_s: float = 1.0          # retry period while the draft is unreachable
-    step_mode: str = "auto"           # auto (fixed on CUDA), ragged, fixed (CUDA graphs on GPU)
-    # steps over the draft's local socket if reachable: auto (through a shared-memory
-    # mailbox on it while busy polling, common/mailbox.py), mailbox, socket; off: gRPC
-    draft_socket: str = "auto"
+    draft_socket: str = "auto"        # auto: the draft's local socket if reachable; off: gRPC
+    busy_poll: str = "auto"           # wait for drafts and the device without sleeping:
+                                      # auto (on when the device is CUDA), on, off
+
+    def busy(self, device_type: str) -> bool:
+        """Whether the engine waits on its event loop without sleeping."""
+        return self.busy_poll == "on" or (self.busy_poll == "auto" and device_type == "cuda")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -28,10 +31,9 @@ class VerifyConfig(ServiceConfig):
             raise ValueError(f"--draft wants HOST:PORT, got {self.draft!r}")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
-        if self.step_mode not in ("auto", "ragged", "fixed"):
-            raise ValueError(f"step_mode must be auto, ragged or fixed, got {self.step_mode!r}")
-        if self.draft_socket not in ("auto", "mailbox", "socket", "off"):
-            raise ValueError("draft_socket must be auto, mailbox, socket or off, got "
-                             f"{self.draft_socket!r}")
+        if self.draft_socket not in ("auto", "off"):
+            raise ValueError(f"draft_socket must be auto or off, got {self.draft_socket!r}")
+        if self.busy_poll not in ("auto", "on", "off"):
+            raise ValueError(f"busy_poll must be auto, on or off, got {self.busy_poll!r}")
         if self.step_deadline_ms <= 0 or self.reconnect_s <= 0:
             raise ValueError("step_deadline_ms and reconnect_s must be > 0")

@@ -15,6 +15,7 @@ from types import ModuleType
 
 import torch
 
+from common.accept import commit_kv
 from common.forward_batch import device_forward_batch
 from common.kv_cache import PagedKVCache
 from common.qwen3 import Qwen3Model
@@ -33,7 +34,6 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
     b, n = tokens.shape
     t = n + 1
     chunk_parents, depths = verify_chunk_layout(parents)                 # [B, T]
-    ctx = context_lens.long().unsqueeze(1)                               # [B, 1]
     fb = device_forward_batch(torch.cat([roots.long().unsqueeze(1), tokens.long()], 1),
                               chunk_parents, depths, context_lens, block_tables,
                               cache.block_size)
@@ -43,7 +43,7 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
     target_ids = model.greedy(hidden, ops).view(b, t)                    # [B, T]
     accepted, num, bonus = ops.accept_greedy(tokens, parents, target_ids, depth)
     if depth:
-        _compact_fixed(cache, ops, accepted, num, ctx, block_tables)
+        commit_kv(cache, ops, accepted, num, context_lens, block_tables)
     if not capture:
         return accepted, num, bonus
     feats = torch.cat(captured, -1).view(b, t, -1)                       # [B, T, C]
@@ -51,21 +51,3 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
     rows = torch.cat([root, accepted.clamp(min=0) + 1], 1)
     path = torch.gather(feats, 1, rows.long().unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
     return accepted, num, bonus, path
-
-
-def _compact_fixed(cache: PagedKVCache, ops: ModuleType, accepted: torch.Tensor,
-                   num: torch.Tensor, ctx: torch.Tensor, block_tables: torch.Tensor) -> None:
-    """common.accept.commit_plan at a fixed shape: entries past num_accepted become
-    moves of a slot onto itself (slots past the new kv_len, never read again), so
-    per sequence dst stays strictly increasing with src >= dst."""
-    b, d = accepted.shape
-    bs = cache.block_size
-    i = torch.arange(d, device=accepted.device).unsqueeze(0)
-    dst = ctx + 1 + i                                                    # [B, D]
-    src = torch.where(i < num.long().unsqueeze(1), ctx + 1 + accepted.long(), dst)
-    table = block_tables.long()
-
-    def flat(pos: torch.Tensor) -> torch.Tensor:
-        return (torch.gather(table, 1, pos // bs) * bs + pos % bs).view(-1)
-
-    ops.compact_kv(cache.k, cache.v, flat(src), flat(dst))

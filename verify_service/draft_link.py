@@ -1,14 +1,16 @@
-"""The verify service's end of the Speculate stream: one bidi stream to the draft.
+"""The draft service as a Drafter: one Speculate stream, reconnected as needed.
 
-The stream is a gRPC bidi call, or, when the draft advertises a local socket that
-this process can reach and that greets with the draft's instance id, the same
-messages framed on that Unix socket (common/frames.py: no gRPC thread wakes up on
-the hop; ``local=False`` or ``--draft-socket off`` keeps gRPC).
+The stream runs over the draft's local Unix socket when it advertises one that this
+process reaches and that greets with the draft's instance id (common/frames.py; the
+same host), else over gRPC (``local=False``: always gRPC). On the H200 the socket
+bought 18 % tok/s over gRPC at batch 1 with the replay instrument (bench/NOTES.md,
+ninth session). With ``busy_poll`` the wait for the answer is a loop that never
+sleeps: no thread wake-up on the step's critical path (+6-11 % at batch 1 and 8,
+same run).
 
-The link hands the engine a proposal for a step or None, never an exception: a
-draft that is absent, late, busy or broken only turns that step into plain decode
-(the reason is returned for the step's stats). It reconnects in the background,
-and each new connection bumps ``epoch`` so the engine resyncs every sequence.
+A draft that is absent, late, busy or broken only turns that step into plain
+decode: ``propose`` returns the reason, never raises. Each new connection resets
+the DraftSync, so every sequence is sent in full again.
 """
 
 from __future__ import annotations
@@ -16,22 +18,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Literal
 
 import grpc
-import torch
 
 from common import codec, frames, wire
 from common.aio import cancel_and_wait, spin_until
-from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, TreeBatch
-from common.tree import validate_tree
+from common.spec_types import DrafterInfo
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from verify_service.draft_sync import DraftSync
+from verify_service.drafter import Drafted
+from verify_service.sequence import Sequence
 
 log = logging.getLogger("treespec.verify.draft_link")
 
-Fallback = Literal["no_draft", "disconnected", "busy", "deadline", "invalid_proposal"]
 _EXPIRED, _DROPPED = object(), object()     # why a step's wait ended without an answer
+MAX_MESSAGE_BYTES = 64 << 20
 
 
 def _settle(fut: asyncio.Future, value: object) -> None:
@@ -40,34 +42,33 @@ def _settle(fut: asyncio.Future, value: object) -> None:
 
 
 class DraftLink:
-    def __init__(self, addr: str, reconnect_s: float, vocab_size: int, num_layers: int,
-                 busy_poll: bool = False, local: bool = True, mailbox: bool = False) -> None:
+    def __init__(self, addr: str, reconnect_s: float, deadline_s: float, vocab_size: int,
+                 num_layers: int, busy_poll: bool = False, local: bool = True) -> None:
         self.addr = addr
         self.reconnect_s = reconnect_s
+        self.deadline_s = deadline_s
         self.vocab_size = vocab_size
         self.num_layers = num_layers
-        self.info: DrafterInfo | None = None
-        self.epoch = 0
+        self.busy_poll = busy_poll
+        self.local = local
+        self.sync = DraftSync()
+        self.carrier = ""                      # "unix socket" or "grpc" while connected
+        self._info: DrafterInfo | None = None
         self._call: grpc.aio.StreamStreamCall | frames.FrameStream | None = None
         self._channel: grpc.aio.Channel | None = None
         self._outstanding: int | None = None   # step id still unanswered
-        self._waiter: asyncio.Future | None = None   # propose() waiting for that answer
+        self._waiter: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
-        self._staging = codec.Staging()
-        self._closed = False
-        self.busy_poll = busy_poll      # poll for the answer on the loop, never sleep
-        self.local = local              # try the draft's local socket first
-        self.mailbox = mailbox          # and ask it for a shared-memory mailbox
-        self.carrier = ""               # "unix socket" or "grpc" while connected
-        # the last answered step's hop, in time_ns stamps: request handed to the carrier,
-        # answer read, and the draft's own (read, sent; 0 from a draft that does not stamp)
-        self.stamps: tuple[int, int, int, int] | None = None
         self._t_answer = 0
-        self._rehearsal: tuple[DrafterInfo, bytes] | None = None   # (for, proposal bytes)
+        self._closed = False
+
+    @property
+    def info(self) -> DrafterInfo | None:
+        return self._info
 
     @property
     def ready(self) -> bool:
-        return self._call is not None and self.info is not None
+        return self._call is not None and self._info is not None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._connect_loop())
@@ -77,12 +78,16 @@ class DraftLink:
         await cancel_and_wait(self._task)
         await self._drop()
 
+    def release(self, seq_ids: list[int]) -> None:
+        self.sync.release(seq_ids)
+
     async def _drop(self) -> None:
         call, channel = self._call, self._channel
         self._call = self._channel = None
         self.carrier = ""
         self._outstanding = None
-        self._wake(_DROPPED)
+        if self._waiter is not None:
+            _settle(self._waiter, _DROPPED)
         if call is not None:
             call.cancel()
         if channel is not None:
@@ -101,8 +106,8 @@ class DraftLink:
 
     async def _connect_once(self) -> None:
         self._channel = grpc.aio.insecure_channel(self.addr, options=[
-            ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.max_receive_message_length", 64 << 20)])
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         stub = pb_grpc.DrafterStub(self._channel)
         info_pb = await stub.GetInfo(pb.DrafterInfoRequest(), timeout=10)
         info = wire.drafter_info_from_pb(info_pb)
@@ -113,11 +118,10 @@ class DraftLink:
         if bad:
             raise RuntimeError(f"draft wants hidden states of target layers {bad}, but the "
                                f"target has layers 0..{self.num_layers}; not using this draft")
-        self.info = info
+        self._info = info
         self._call = await self._open_local(info_pb) or stub.Speculate()
-        self.carrier = "grpc" if not isinstance(self._call, frames.FrameStream) else \
-            "unix socket + mailbox" if self._call.mailbox is not None else "unix socket"
-        self.epoch += 1
+        self.carrier = "unix socket" if isinstance(self._call, frames.FrameStream) else "grpc"
+        self.sync.reset()
         log.info("draft %s connected: %s, envelope %s, steps by %s", self.addr, info.proposer,
                  info.envelope, self.carrier)
         async for msg in self._call:
@@ -128,43 +132,12 @@ class DraftLink:
         """The draft's local socket, when it advertises one and it answers as that draft."""
         if not (self.local and info.local_socket and info.instance_id):
             return None
-        for mailbox in ([True, False] if self.mailbox else [False]):
-            try:
-                return await frames.FrameStream.open(info.local_socket, info.instance_id,
-                                                     pb.Proposal.FromString, mailbox=mailbox)
-            except (OSError, asyncio.TimeoutError, frames.FrameError) as e:
-                log.info("draft's local socket %s%s not usable here (%s)", info.local_socket,
-                         " with a mailbox" if mailbox else "", e)
-        log.info("steps by gRPC")
-        return None
-
-    def rehearse(self) -> None:
-        """The hop's host work on throwaway data (common.aio.LoopSpinner keeps it warm):
-        encode a one-sequence request, decode and check a chain proposal."""
-        info = self.info
-        if info is None or self._waiter is not None:     # not while a step waits: the
-            return                                        # answer would wait for it
-        if self._rehearsal is None or self._rehearsal[0] is not info:
-            n = info.envelope.num_nodes
-            answer = pb.Proposal(step_id=1, seq_ids=[1], tokens=codec.encode(
-                torch.zeros(1, n, dtype=torch.int32)), parents=codec.encode(
-                torch.arange(-1, n - 1, dtype=torch.int32).view(1, n)))
-            self._rehearsal = (info, answer.SerializeToString())
-        req = SpecRequest(1, [SeqUpdate(seq_id=1, committed_len=9, new_tokens=[1, 2, 3, 4],
-                                        accepted_nodes=[0, 1, 2], accepted_step_id=0)])
-        wire.spec_request_to_pb(req).SerializeToString()
-        tree = wire.tree_batch_from_pb(pb.Proposal.FromString(self._rehearsal[1]))
-        if validate_tree(tree.tokens, tree.parents, info.envelope.num_nodes,
-                         self.vocab_size) is not None:
-            raise RuntimeError("the rehearsal's own proposal failed its checks")
-
-    def _poll(self) -> bool:
-        """Deliver an answer waiting in the mailbox; whether there was one."""
-        call = self._call
-        msg = call.poll() if isinstance(call, frames.FrameStream) else None
-        if msg is not None:
-            self._deliver(msg)
-        return msg is not None
+        try:
+            return await frames.FrameStream.open(info.local_socket, info.instance_id,
+                                                 pb.Proposal.FromString)
+        except (OSError, asyncio.TimeoutError, frames.FrameError) as e:
+            log.info("draft's local socket %s not usable here (%s)", info.local_socket, e)
+            return None
 
     def _deliver(self, msg: pb.Proposal) -> None:
         """Hand the awaited answer to propose(); a late answer to a step that already
@@ -177,53 +150,46 @@ class DraftLink:
         else:
             self._outstanding = None
 
-    def _wake(self, value: object) -> None:
-        """End propose()'s wait, if one is on, with value."""
-        if self._waiter is not None:
-            _settle(self._waiter, value)
-
-    async def propose(self, req: SpecRequest, timeout_s: float) -> TreeBatch | Fallback:
-        """Send one step's request and wait up to timeout_s for its proposal.
-
-        One future per step, completed by the stream reader, by a timer at the
-        deadline or by a dropped connection: no queue and no extra task per step."""
-        self.stamps = None
+    async def propose(self, seqs: list[Sequence], trace: dict[str, str]) -> Drafted:
+        """Send one step's request and wait up to the deadline for its answer: one
+        future, completed by the stream reader, a timer or a dropped connection."""
         if not self.ready:
-            return "disconnected"
-        self._poll()                 # a late answer may be waiting in the mailbox
+            return Drafted(None, "disconnected")
         if self._outstanding is not None:
-            return "busy"            # the draft is still on a step that timed out
+            return Drafted(None, "busy")     # the draft is still on a step that timed out
+        req = self.sync.request(seqs, bool(self._info.target_hidden_layers), trace)
         loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
         self._outstanding = req.step_id
-        timer = loop.call_later(timeout_s, _settle, waiter, _EXPIRED)
+        timer = loop.call_later(self.deadline_s, _settle, waiter, _EXPIRED)
         try:
-            msg_out = wire.spec_request_to_pb(req, self._staging)
-            t_sent = time.time_ns()                 # handed to the carrier
-            polling = self.busy_poll and isinstance(self._call, frames.FrameStream)
-            if polling:
-                self._call.waiting(True)      # a mailbox, if any, gets the answer
+            msg_out = wire.spec_request_to_pb(req)
+            t_sent = time.time_ns()
             await self._call.write(msg_out)
             if self.busy_poll:
-                await spin_until(lambda: self._poll() or waiter.done())
-            if polling:
-                self._call.waiting(False)
+                await spin_until(waiter.done)
             msg = await waiter
         except Exception as e:
             log.warning("draft write failed: %s", e)
-            self._outstanding = None
-            return "disconnected"
+            msg = _DROPPED
         finally:
             timer.cancel()
             self._waiter = None
-        if msg is _EXPIRED:
-            return "deadline"
-        if msg is _DROPPED:
-            return "disconnected"
+            self.sync.sent(seqs)
+        if msg is _EXPIRED or msg is _DROPPED:
+            if msg is _DROPPED:
+                self._outstanding = None
+            return Drafted(None, "deadline" if msg is _EXPIRED else "disconnected",
+                           req.step_id)
         self._outstanding = None
-        self.stamps = (t_sent, self._t_answer, msg.received_unix_ns, msg.sent_unix_ns)
+        stamps = (t_sent, self._t_answer, msg.received_unix_ns, msg.sent_unix_ns)
         try:
-            return wire.tree_batch_from_pb(msg)
+            resp = wire.response_from_pb(msg)
         except codec.CodecError as e:
             log.warning("draft sent an undecodable proposal: %s", e)
-            return "invalid_proposal"
+            return Drafted(None, "invalid_proposal", req.step_id, stamps)
+        if resp.seq_ids != [s.seq_id for s in seqs]:
+            log.warning("dropping a proposal whose rows are not the request's sequences")
+            return Drafted(None, "invalid_proposal", req.step_id, stamps)
+        self.sync.resync(resp.resync)
+        return Drafted(resp.trees, None, req.step_id, stamps)

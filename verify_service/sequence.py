@@ -1,5 +1,5 @@
-"""One running request inside the verify engine: tokens, KV pages, draft sync state
-(and a step's proposal laid out over the running batch)."""
+"""One running request inside the verify engine: its committed tokens, KV pages,
+stats and output queue."""
 
 from __future__ import annotations
 
@@ -8,14 +8,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from common.kv_cache import SeqPages
-from common.spec_types import TreeBatch
 from verify_service.request import FinishReason, GenRequest, Stats, StepOutput
 
 if TYPE_CHECKING:
-    from verify_service.hidden_states import HiddenBuffer
+    from common.row_buffer import RowBuffer
 
 _ids = itertools.count(1)
 
@@ -33,14 +30,10 @@ class Sequence:
     finish: FinishReason | None = None
     cancelled: bool = False
     error: str | None = None          # set when the engine failed this sequence
-    # What the draft has heard of this sequence (it is a cache; we are the authority).
-    draft_synced: bool = False
-    unsent: list[int] = field(default_factory=list)   # committed since the last update
-    accepted_nodes: list[int] = field(default_factory=list)
-    accepted_step: int = 0
+    accepted_path: list[int] = field(default_factory=list)  # nodes of its last tree
     # Target hidden states [kv_len, C] of every token whose KV is written, kept on
     # the device while a drafter reads them (EAGLE-3); None otherwise.
-    hidden: "HiddenBuffer | None" = None
+    hidden: "RowBuffer | None" = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.req.prompt_ids)
@@ -67,25 +60,9 @@ class Sequence:
                     len(self.tokens) + len(kept) >= self.max_len:
                 self.finish = "length"
         self.tokens.extend(kept)
-        self.unsent.extend(kept)
         self.stats.completion_tokens += len(kept)
         return kept
 
     def emit(self, kept: list[int]) -> None:
         stats = Stats(**vars(self.stats)) if self.finish else self.stats
         self.out.put_nowait(StepOutput(kept, self.finish, stats, self.error))
-
-
-def batch_trees(seqs: list[Sequence], spec_seqs: list[Sequence], tree: TreeBatch
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The proposal as [len(seqs), N] rows; sequences not asked get padding trees."""
-    if len(spec_seqs) == len(seqs):          # every running sequence was asked
-        return tree.tokens, tree.parents
-    n = tree.tokens.shape[1]
-    tokens = torch.zeros((len(seqs), n), dtype=torch.int32)
-    parents = torch.full((len(seqs), n), -2, dtype=torch.int32)
-    row = {s.seq_id: i for i, s in enumerate(spec_seqs)}
-    for i, s in enumerate(seqs):
-        if s.seq_id in row:
-            tokens[i], parents[i] = tree.tokens[row[s.seq_id]], tree.parents[row[s.seq_id]]
-    return tokens, parents

@@ -50,16 +50,13 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
     bind_device(device)
     model = Qwen3Model.from_pretrained(path, dtype=pick_dtype(cfg.dtype, device), device=device)
     busy = cfg.busy(device.type)
-    link = DraftLink(cfg.draft, cfg.reconnect_s, model.spec.vocab_size,
-                     model.spec.num_layers, busy, local=cfg.draft_socket != "off",
-                     mailbox=cfg.draft_socket == "mailbox" or (cfg.draft_socket == "auto" and busy)
-                     ) if cfg.draft else None
+    link = DraftLink(cfg.draft, cfg.reconnect_s, cfg.step_deadline_ms / 1000,
+                     model.spec.vocab_size, model.spec.num_layers, busy,
+                     local=cfg.draft_socket != "off") if cfg.draft else None
     observer, metrics = build_observer(cfg, tracer_provider)
     engine = VerifyEngine(model, cfg.num_blocks, cfg.block_size, cfg.max_batch,
-                          cfg.max_model_len, cfg.prefill_tokens, cfg.step_deadline_ms / 1000,
-                          link=link, kernels=cfg.kernels, step_mode=cfg.step_mode,
-                          busy_poll=busy,
-                          rehearse=cfg.rehearsing(device.type), observer=observer)
+                          cfg.max_model_len, cfg.prefill_tokens, link=link, kernels=cfg.kernels,
+                          busy_poll=busy, observer=observer)
     if metrics is not None:
         metrics.watch(engine)
         metrics.serve(cfg.host, cfg.metrics_port)

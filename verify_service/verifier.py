@@ -1,8 +1,18 @@
-"""The verify step: one target forward over [root, tree nodes] for every running
-sequence, greedy acceptance, and the KV commit of each accepted path.
+"""The target's forwards: prefill, and the verify step at fixed shapes.
 
-No state lives here: it takes sequences and a proposal and returns what was
-accepted; the engine owns the bookkeeping. See common/accept.py for the terms.
+The step (``device_step.fixed_step``) is one target forward over [root, tree nodes]
+of every sequence, greedy acceptance and the KV commit, all on the device; it is
+captured as a CUDA graph per (batch bucket, page bucket) on a GPU and run eagerly
+over the same static buffers on the CPU, so both run one code path. A step pads
+its batch to the next bucket (padding rows on a scratch page, all-padding trees)
+and its page tables to the next power of two, packs every input into one int32
+tensor (one upload through the graph's pinned staging), replays, and reads back
+accepted / num / bonus as one tensor through a reused pinned buffer: one host sync
+per step. ``launch`` returns before the device is done, so the engine can poll
+for it on its event loop (verify_service.step_runner).
+
+No request state lives here: it takes page tables, roots and trees and returns
+what was accepted; the engine owns the bookkeeping (terms: common/accept.py).
 """
 
 from __future__ import annotations
@@ -12,11 +22,12 @@ from types import ModuleType
 
 import torch
 
-from common.accept import commit_plan
-from common.forward_batch import Chunk, build_forward_batch, chain_chunk
+from common.forward_batch import build_forward_batch, chain_chunk
+from common.graph_buckets import BucketedGraphs
 from common.kv_cache import PagedKVCache, SeqPages
 from common.qwen3 import Qwen3Model
-from common.tree import verify_chunk_layout
+from common.tree import PAD, TreeBatch
+from verify_service.device_step import fixed_step
 
 
 @dataclass
@@ -28,17 +39,34 @@ class StepResult:
     hidden: list[torch.Tensor] | None = None
 
 
-def concat_captured(captured: list[torch.Tensor]) -> torch.Tensor | None:
-    """The captured layers side by side: [T, layers * hidden], or None."""
-    return torch.cat(captured, dim=-1) if captured else None
+@dataclass
+class PendingStep:
+    """A launched step: its sequences, the host copy of [B, depth + 2] results (valid
+    once ``done`` has completed) and, when capturing, the path's hidden states."""
+    pages: list[SeqPages]
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+    path: torch.Tensor | None
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
 
 
 class Verifier:
-    reserved_pages = 0   # pages the verifier itself holds
+    reserved_pages = 1          # the scratch page padding rows write to
 
-    def __init__(self, model: Qwen3Model, cache: PagedKVCache, ops: ModuleType) -> None:
+    def __init__(self, model: Qwen3Model, cache: PagedKVCache, ops: ModuleType,
+                 capture: bool = True) -> None:
         self.model, self.cache, self.ops = model, cache, ops
-        self.capture_layers: tuple[int, ...] = ()   # target layers a drafter asked for
+        self.capture_layers: tuple[int, ...] = ()   # target layers a drafter reads
+        self.buckets = BucketedGraphs(cache, capture)
+        self._host: dict[torch.Size, torch.Tensor] = {}     # pinned readback buffers
+        self._done: torch.cuda.Event | None = None          # readback finished
+
+    @property
+    def graphs(self) -> dict:
+        """Step graphs by ((nodes, capture layers), batch bucket, page bucket)."""
+        return self.buckets.graphs
 
     @torch.inference_mode()
     def prefill(self, pages: list[SeqPages], prompts: list[list[int]]
@@ -50,45 +78,109 @@ class Verifier:
         nxt = self.model.greedy(hidden[fb.last], self.ops).tolist()
         for p, t in zip(pages, prompts):
             p.kv_len += len(t)
-        feats = concat_captured(captured)
-        if feats is None:
+        if not captured:
             return nxt, None
+        feats = torch.cat(captured, dim=-1)
         cu = fb.cu_q.tolist()
         return nxt, [feats[cu[i]:cu[i + 1]] for i in range(len(prompts))]
 
+    def step(self, pages: list[SeqPages], roots: list[int], trees: TreeBatch | None,
+             depth: int) -> StepResult:
+        """Verify one tree per sequence (None: plain decode); blocks until done."""
+        return self.finish(self.launch(pages, roots, trees, depth))
+
+    def captured(self, pages: list[SeqPages], n: int) -> bool:
+        """Whether a step of these sequences with n-node trees has its graph already
+        (reserves the step's slots, as the step would)."""
+        self._reserve(pages, n)
+        b, p = self.buckets.buckets(pages)
+        return ((n, self.capture_layers), b, p) in self.buckets.graphs
+
+    def _reserve(self, pages: list[SeqPages], n: int) -> None:
+        """Slots for [root, n nodes] past each committed length (idempotent)."""
+        for sp in pages:
+            self.cache.reserve(sp, sp.kv_len + n + 1)
+
     @torch.inference_mode()
-    def step(self, pages: list[SeqPages], roots: list[int], tokens: torch.Tensor | None,
-             parents: torch.Tensor | None, depth: int) -> StepResult:
-        """Verify one tree per sequence (tokens, parents [B, N]); None = plain decode."""
-        b = len(pages)
-        dev = self.cache.device
-        if tokens is None:
-            tokens = torch.zeros((b, 0), dtype=torch.int32)
-            parents = torch.zeros((b, 0), dtype=torch.int32)
-        chunk_parents, depths = verify_chunk_layout(parents)
-        cp, dp, tk = chunk_parents.tolist(), depths.tolist(), tokens.tolist()
-        chunks = [Chunk(pages[i], [roots[i]] + tk[i], cp[i], dp[i]) for i in range(b)]
-        fb = build_forward_batch(chunks, self.cache)
-        hidden, captured = self.model(fb, self.cache, self.ops, self.capture_layers)
-        n1 = tokens.shape[1] + 1
-        target_ids = self.model.greedy(hidden, self.ops).view(b, n1)             # [B, N+1]
-        accepted, num, bonus = self.ops.accept_greedy(
-            tokens.to(dev), parents.to(dev), target_ids, max(depth, 1) if n1 > 1 else 0)
-        kv_lens = fb.context_lens
-        seq, src, dst = commit_plan(accepted, num, kv_lens)
-        if src.numel():
-            table = fb.block_tables.long()
-            bs = self.cache.block_size
-            flat_src = table[seq, src // bs] * bs + src % bs
-            flat_dst = table[seq, dst // bs] * bs + dst % bs
-            self.ops.compact_kv(self.cache.k, self.cache.v, flat_src, flat_dst)
-        acc_l, num_l, bonus_l = accepted.tolist(), num.tolist(), bonus.tolist()
-        paths = [acc_l[i][:num_l[i]] for i in range(b)]
-        for i in range(b):
-            pages[i].kv_len += 1 + num_l[i]
-        feats = concat_captured(captured)
+    def launch(self, pages: list[SeqPages], roots: list[int], trees: TreeBatch | None,
+               depth: int) -> PendingStep:
+        """Queue the step and the readback of its results on the device; returns at
+        once. ``finish(pending)`` completes it (blocks until the device is done)."""
+        n = 0 if trees is None else trees.tokens.shape[1]
+        self._reserve(pages, n)
+        gb = self.buckets
+        b, p = gb.buckets(pages)
+        walk, cap, dev = (depth if n else 0), self.capture_layers, self.cache.device
+
+        def example(bb: int) -> list[torch.Tensor]:
+            return [pack_inputs([0] * bb, [0] * bb, None if n == 0 else TreeBatch.padding(bb, n),
+                                [[]] * bb, bb, p, gb.scratch).to(dev)]
+
+        def fn(packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return packed_step(self.model, self.cache, self.ops, walk, cap, n, packed)
+
+        graph = gb.get((n, cap), b, p, example, fn)
+        out, *path = graph(pack_inputs(roots, [sp.kv_len for sp in pages], trees,
+                                       [sp.pages for sp in pages], b, p, gb.scratch))
+        host, done = self._readback(out)
+        return PendingStep(pages, host, done, path[0] if path else None)
+
+    def _readback(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """out's values on the host: a non-blocking copy into a reused pinned buffer
+        and an event after it (on the CPU, out itself)."""
+        if out.device.type != "cuda":
+            return out, None
+        host = self._host.get(out.shape)
+        if host is None:
+            host = self._host[out.shape] = torch.empty(out.shape, dtype=out.dtype,
+                                                       pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        if self._done is None:          # one event, re-recorded: steps never overlap
+            self._done = torch.cuda.Event()
+        self._done.record(torch.cuda.current_stream(out.device))
+        return host, self._done
+
+    @torch.inference_mode()
+    def finish(self, pending: PendingStep) -> StepResult:
+        """The step's results; advances each sequence's kv_len (the one host sync)."""
+        if pending.done is not None:
+            pending.done.synchronize()
+        res = pending.host.tolist()
+        d = pending.host.shape[1] - 2
+        nums = [row[d] for row in res[:len(pending.pages)]]
+        for sp, k in zip(pending.pages, nums):
+            sp.kv_len += 1 + k
         rows = None
-        if feats is not None:
-            rows = [feats[i * n1 + torch.tensor([0] + [1 + j for j in paths[i]], device=dev)]
-                    for i in range(b)]
-        return StepResult(paths, bonus_l, rows)
+        if pending.path is not None:
+            rows = [pending.path[i, :1 + nums[i]].clone() for i in range(len(nums))]
+        return StepResult([res[i][:nums[i]] for i in range(len(nums))],
+                          [res[i][d + 1] for i in range(len(nums))], rows)
+
+
+def pack_inputs(roots: list[int], ctx: list[int], trees: TreeBatch | None,
+                tables: list[list[int]], b: int, p: int, scratch: int) -> torch.Tensor:
+    """One [b, 2 + 2N + p] int32 host tensor: root, committed KV length, tree tokens,
+    tree parents, page table. Rows past len(roots) (and page-table tails) are padding
+    on the scratch page; one tensor means one upload per step."""
+    n = 0 if trees is None else trees.tokens.shape[1]
+    tok = trees.tokens.tolist() if n else [[]] * len(roots)
+    par = trees.parents.tolist() if n else [[]] * len(roots)
+    rows = [[roots[i], ctx[i], *tok[i], *par[i], *table, *[scratch] * (p - len(table))]
+            for i, table in enumerate(tables)]
+    pad = [0, 0] + [0] * n + [PAD] * n + [scratch] * p
+    return torch.tensor(rows + [pad] * (b - len(rows)), dtype=torch.int32)
+
+
+def packed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: int,
+                capture: tuple[int, ...], n: int, packed: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+    """fixed_step on pack_inputs' layout; returns [B, depth + 2] int64 (accepted
+    nodes padded -1, number accepted, bonus token) and, when capturing, the path's
+    hidden states: one tensor to read back."""
+    roots, ctx = packed[:, 0].long(), packed[:, 1].contiguous()
+    tokens, parents = packed[:, 2:2 + n].contiguous(), packed[:, 2 + n:2 + 2 * n].contiguous()
+    table = packed[:, 2 + 2 * n:].contiguous()
+    accepted, num, bonus, *path = fixed_step(model, cache, ops, depth, capture, roots, tokens,
+                                             parents, ctx, table)
+    out = torch.cat([accepted.long(), num.long().unsqueeze(1), bonus.long().unsqueeze(1)], 1)
+    return (out, *path)

@@ -1,5 +1,8 @@
-"""`treespec bench-accept`: how well each proposer x envelope speculates, greedy, on
-held-out Python code.
+"""How well each proposer x envelope speculates, greedy, on held-out Python code.
+
+    python bench/accept.py [--model tiny-code] [--methods ngram,model,eagle3]
+        [--envelopes chain4,tree-small,tree-wide] [--files 20] [--prompt-tokens 128]
+        [--max-tokens 64] [--device auto] [--json FILE]
 
 For every configuration it starts a real draft service (gRPC on loopback) and a
 verify engine in this process, decodes a window of each held-out file, and
@@ -10,13 +13,17 @@ saved against plain decode, and whether the output equals plain greedy.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.model_paths import resolve_model
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.model_paths import resolve_model  # noqa: E402
 
 PROPOSERS = {"ngram": None, "model": "tiny-code-draft", "eagle3": "tiny-code-eagle3"}
 
@@ -135,3 +142,26 @@ def format_row(r: dict) -> str:
 
 HEADER = ("| proposer | envelope | tokens/step | accepted path reaches depth 1..D | "
           "target forwards saved | output identical |\n| --- | --- | --- | --- | --- | --- |")
+
+
+def main() -> int:
+    a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a.add_argument("--model", default="tiny-code", help="target (needs TRAINING.json)")
+    a.add_argument("--methods", default="ngram,model,eagle3")
+    a.add_argument("--envelopes", default="chain4,tree-small,tree-wide")
+    a.add_argument("--files", type=int, default=20, help="held-out files used")
+    a.add_argument("--prompt-tokens", type=int, default=128)
+    a.add_argument("--max-tokens", type=int, default=64)
+    a.add_argument("--device", default="auto")
+    a.add_argument("--json", help="also write the rows to this file")
+    args = a.parse_args()
+    print(HEADER, flush=True)
+    rows = run(args.model, args.envelopes.split(","), args.methods.split(","), args.files,
+               args.prompt_tokens, args.max_tokens, args.device)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""`treespec generate` and `treespec health`: the client's two subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from common.cli import int_list, positive_int
+from common.client import TreespecClient, tokens_per_step
+
+
+def add_generate_arguments(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--addr", required=True, metavar="HOST:PORT")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (the server tokenizes it)")
+    src.add_argument("--prompt-ids", type=int_list, metavar="1,2,3", help="prompt token ids")
+    g.add_argument("--max-tokens", type=positive_int, required=True)
+    g.add_argument("--stop-ids", type=int_list, nargs="+", default=[], metavar="IDS",
+                   help="extra stop token ids, comma- or space-separated")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS ids")
+    g.add_argument("--no-speculation", action="store_true", help="plain decode (for comparison)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (only mode for now)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--timeout", type=float, help="deadline for the whole call, in seconds")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object {token_ids, text, finish_reason, stats}")
+
+
+def generate(args: argparse.Namespace) -> int:
+    kw = dict(prompt_ids=args.prompt_ids, max_tokens=args.max_tokens,
+              stop_token_ids=[i for ids in args.stop_ids for i in ids],
+              ignore_eos=args.ignore_eos, temperature=args.temperature, top_p=args.top_p,
+              top_k=args.top_k, seed=args.seed, no_speculation=args.no_speculation,
+              timeout=args.timeout)
+    with TreespecClient(args.addr) as client:
+        if args.json:
+            done = client.generate(args.prompt, **kw)
+            print(json.dumps({"token_ids": done.token_ids, "text": done.text,
+                              "finish_reason": done.finish_reason, "stats": done.stats}))
+            return 0
+        as_text = client.info().has_tokenizer
+        last = None
+        for chunk in client.generate_stream(args.prompt, **kw):
+            if as_text:
+                sys.stdout.write(chunk.text)
+            elif chunk.token_ids:
+                sys.stdout.write("".join(f"{t} " for t in chunk.token_ids))
+            sys.stdout.flush()
+            last = chunk
+        print()
+    if last is not None and last.stats is not None:
+        s = last.stats
+        print(f"[{last.finish_reason}] {s['completion_tokens']} tokens in {s['steps']} steps "
+              f"({tokens_per_step(s):.2f}/step), {s['accepted_tokens']}/{s['draft_tokens']} draft tokens "
+              f"accepted, {s['fallback_steps']} fallback steps", file=sys.stderr)
+    return 0
+
+
+def add_health_arguments(h: argparse.ArgumentParser) -> None:
+    h.add_argument("--addr", required=True, metavar="HOST:PORT")
+    h.add_argument("--service", default="", help="service name to check (default: the server)")
+    h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for SERVING")
+
+
+def health(args: argparse.Namespace) -> int:
+    """0 and SERVING on stdout when healthy, else 1 and why on stderr (container health checks)."""
+    with TreespecClient(args.addr) as client:
+        try:
+            client.wait_ready(args.timeout, args.service)
+        except TimeoutError as e:
+            print(f"treespec health: {e}", file=sys.stderr)
+            return 1
+    print("SERVING")
+    return 0

@@ -1,0 +1,55 @@
+"""`treespec draft`: its flags, the DraftConfig they make, and serving it."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.cli import RUNTIME, ConfigError, add_runtime, check_model, given, run_server
+
+SERVER = "draft_service.server"
+
+
+def add_arguments(d: argparse.ArgumentParser) -> None:
+    from draft_service.registry import PROPOSERS
+    d.add_argument("--method", required=True, choices=list(PROPOSERS))
+    d.add_argument("--model", help="draft checkpoint dir or shipped name (model, eagle3)")
+    d.add_argument("--target-embeddings", metavar="PATH",
+                   help="eagle3 head without embed_tokens: the target's checkpoint dir or a "
+                   "safetensors file holding model.embed_tokens.weight")
+    d.add_argument("--envelope", help="tree preset: chain4 (default), tree-small, tree-wide")
+    d.add_argument("--depth", type=int, help="custom envelope: longest path, in nodes")
+    d.add_argument("--topk", type=int, help="custom envelope: children per expanded node")
+    d.add_argument("--nodes", type=int, help="custom envelope: nodes per tree")
+    d.add_argument("--ngram-max", type=int, help="longest suffix the n-gram proposer matches")
+    d.add_argument("--ngram-min", type=int, help="shortest suffix the n-gram proposer matches")
+    d.add_argument("--max-sequences", type=int, help="sequences whose state the draft keeps")
+    d.add_argument("--local-socket", metavar="auto|off|PATH",
+                   help="also serve the per-step stream on a Unix socket, which a verify "
+                        "service on this host then uses instead of gRPC (default auto: "
+                        "an abstract socket on Linux; off; PATH or @name to share it across "
+                        "containers through a volume)")
+    add_runtime(d)
+
+
+def config(args: argparse.Namespace):
+    """DraftConfig from parsed flags; ConfigError when it is refused."""
+    from common.model_paths import resolve_model
+    from common.tree import envelope_from
+    from draft_service.config import DraftConfig
+    check_model(args.model)
+    try:
+        env = envelope_from(args.envelope, args.depth, args.topk, args.nodes)
+        cfg = DraftConfig(method=args.method, envelope=env, model=args.model,
+                          **given(args, RUNTIME + ("ngram_max", "ngram_min", "max_sequences",
+                                                   "target_embeddings", "local_socket")))
+        if cfg.method == "eagle3":
+            from draft_service.eagle3_head import embedding_source
+            embedding_source(resolve_model(cfg.model), cfg.target_embeddings)
+        return cfg
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    run_server(SERVER, config(args))
+    return 0

@@ -1,0 +1,252 @@
+"""The base of the drafters that run a network over their own paged KV cache (the
+draft model, the EAGLE-3 head), and the CUDA graphs their steps replay.
+
+A drafter of this kind forwards *units* of a sequence (the draft model: committed
+tokens; EAGLE-3: committed (token, target feature) pairs) into its KV cache and
+drafts from the newest one. Per sequence it keeps a SeqPages whose ``kv_len``
+units have draft KV. One step over the batch:
+
+1. *reserve* pages for each row's units plus the tree's scratch; when pages run
+   out, idle sequences' KV is dropped (least recently used first; it is
+   recomputed when they next draft); a row that still does not fit drafts nothing;
+2. *catch up*: a row's units without KV (at least the newest, whose output seeds
+   the tree) beyond the step's catch-up length ``depth + 1`` (a new prompt, a
+   resync) are forwarded eagerly first (``_prefill``), writing their KV;
+3. *draft*: ONE replay of the subclass's fixed-shape step (``_step_fn``): the last
+   1 .. depth + 1 units of each row as a padded chain, then the tree expansion and
+   rerank, all on the device. In steady state a row brings the accepted path and
+   the bonus token, at most depth + 1 units, so a step is one replay.
+
+``DraftGraphs`` pads a step to its batch bucket and replays one graph per (batch
+bucket, page bucket); on the CPU the same function runs eagerly over the same
+buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from common.block_manager import OutOfPages
+from common.devices import bind_device, pick_device, pick_dtype
+from common.graph_buckets import BucketedGraphs
+from common.kv_cache import PagedKVCache, SeqPages
+from common.tree import TreeBatch, TreeEnvelope
+
+log = logging.getLogger("treespec.draft")
+
+# an extra per-unit input of a step: (shape of one unit's row, dtype)
+Extra = tuple[tuple[int, ...], torch.dtype]
+
+
+@dataclass
+class DraftSeq:
+    pages: SeqPages = field(default_factory=SeqPages)
+    tokens: list[int] = field(default_factory=list)     # the engine's committed list
+
+
+class DraftGraphs:
+    """A drafter's step ``fn(tokens [B, C] int64, count [B] int32, ctx0 [B] int32,
+    table [B, P] int32, *extras [B, C, ...])`` captured per (batch bucket, page
+    bucket): row b's first count[b] units are written from ctx0[b] on, the rest
+    is padding."""
+
+    def __init__(self, cache: PagedKVCache, catch_up_len: int,
+                 fn: Callable[..., tuple[torch.Tensor, ...]], extras: list[Extra],
+                 capture: bool = True) -> None:
+        self.cache, self.fn, self.extras = cache, fn, extras
+        self.catch_up_len = catch_up_len
+        self.buckets = BucketedGraphs(cache, capture)
+
+    @torch.inference_mode()
+    def __call__(self, new_tokens: list[list[int]], new_extras: list[list[torch.Tensor]],
+                 pages: list[SeqPages]) -> tuple[torch.Tensor, ...]:
+        """Row r's units: new_tokens[r] (1 .. catch_up_len) with new_extras[r][k]
+        [same, *shape of extra k] on the device, written from pages[r].kv_len on.
+        Returns fn's outputs for the real rows (advancing kv_len is the caller's)."""
+        gb, dev, c = self.buckets, self.cache.device, self.catch_up_len
+        real = len(pages)
+        b, p, table = gb.shape(pages)
+        tokens, count, ctx0 = gb.chain_inputs(new_tokens, pages, b, c)
+        extras = []
+        for k, (shape, dtype) in enumerate(self.extras):
+            x = torch.zeros((b, c, *shape), dtype=dtype, device=dev)
+            for r, rows in enumerate(new_extras):
+                x[r, :rows[k].shape[0]] = rows[k]
+            extras.append(x)
+
+        def example(bb: int) -> list[torch.Tensor]:
+            return [torch.zeros((bb, c), dtype=torch.int64, device=dev),
+                    torch.ones(bb, dtype=torch.int32, device=dev),
+                    torch.zeros(bb, dtype=torch.int32, device=dev), gb.table_example(bb, p),
+                    *[torch.zeros((bb, c, *shape), dtype=dtype, device=dev)
+                      for shape, dtype in self.extras]]
+
+        out = gb.get("step", b, p, example, self.fn)(tokens, count, ctx0, table, *extras)
+        return tuple(x[:real].clone() for x in out)
+
+
+class KVDrafter:
+    """What a subclass provides: ``_new`` (its DraftSeq), ``_units``, ``_inputs``,
+    ``_prefill``, ``_step_fn`` (returns tokens, parents [B, N] and anything else it
+    wants back in ``_drafted``), and ``update`` (the Proposer protocol's)."""
+
+    light = False
+    needs_model = True
+
+    def __init__(self, cache: PagedKVCache, env: TreeEnvelope, ops: ModuleType,
+                 model_name: str, extras: list[Extra]) -> None:
+        self.cache, self.env, self.ops, self.model = cache, env, ops, model_name
+        self._seqs: OrderedDict[int, DraftSeq] = OrderedDict()
+        self.graphs = DraftGraphs(cache, env.depth + 1, self._step_fn, extras)
+        # slots a step writes past a row's units: the tree's scratch, and the padded
+        # tail of a fixed-shape catch-up (up to depth slots after a one-unit catch-up)
+        self._scratch = max((env.depth - 1) * env.topk, env.depth)
+        self._short = 0                     # rows that found no pages so far
+
+    @classmethod
+    def from_config(cls, cfg) -> KVDrafter:
+        """Loaded on cfg's device (made current: graphs and pinned staging land on it)
+        and, on a GPU, warmed up."""
+        device = pick_device(cfg.device)
+        bind_device(device)
+        p = cls.load(cfg, device, pick_dtype(cfg.dtype, device))
+        if device.type == "cuda":
+            log.info("%s warm-up (kernel compiles, graph captures) took %.1f s", cls.name,
+                     p.warm_up())
+        return p
+
+    # ------------------------------------------------------------ subclass hooks
+    @classmethod
+    def load(cls, cfg, device: torch.device, dtype: torch.dtype) -> KVDrafter:
+        raise NotImplementedError
+
+    def _new(self) -> DraftSeq:
+        return DraftSeq()
+
+    def _units(self, st: DraftSeq) -> int:
+        raise NotImplementedError
+
+    def _inputs(self, st: DraftSeq, lo: int, hi: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Units lo .. hi - 1: their tokens and each extra input's rows."""
+        raise NotImplementedError
+
+    def _prefill(self, rows: list[tuple[DraftSeq, int, int]]) -> None:
+        """Write the KV of units lo .. hi - 1 of each (st, lo, hi), from st.pages.kv_len == lo."""
+        raise NotImplementedError
+
+    def _step_fn(self, tokens: torch.Tensor, count: torch.Tensor, ctx0: torch.Tensor,
+                 table: torch.Tensor, *extras: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def _before_step(self) -> None:
+        """Device work owed before this step's forwards (the draft model's KV moves)."""
+
+    def _drafted(self, seqs: list[DraftSeq], out: tuple[torch.Tensor, ...]) -> None:
+        """Remember what was drafted (the draft model: for its rollback)."""
+
+    def _forget(self, st: DraftSeq) -> None:
+        """st's KV was dropped: forget whatever refers to it."""
+
+    # ------------------------------------------------------------ the Proposer protocol
+    def state(self, seq_id: int) -> DraftSeq:
+        """seq_id's state, created if new, made the most recently used."""
+        st = self._seqs.get(seq_id)
+        if st is None:
+            st = self._seqs[seq_id] = self._new()
+        self._seqs.move_to_end(seq_id)
+        return st
+
+    def release(self, seq_id: int) -> None:
+        st = self._seqs.pop(seq_id, None)
+        if st is not None:
+            self.cache.release(st.pages)
+
+    def propose(self, seq_ids: list[int]) -> TreeBatch:
+        self._before_step()
+        rows = self._reserve(seq_ids)
+        if not rows:
+            return TreeBatch.padding(len(seq_ids), self.env.num_nodes)
+        return self._draft([self._seqs[seq_ids[r]] for r in rows]).scatter(rows, len(seq_ids))
+
+    def _reserve(self, seq_ids: list[int]) -> list[int]:
+        """Rows that can draft: at least one unit, and pages for all units plus the
+        scratch (dropping idle sequences' KV, least recently used first, if need be)."""
+        batch = set(seq_ids)
+        rows = []
+        for r, s in enumerate(seq_ids):
+            st = self._seqs[s]
+            units = self._units(st)
+            if units < 1:
+                continue
+            while True:
+                try:
+                    self.cache.reserve(st.pages, units + self._scratch)
+                    rows.append(r)
+                    break
+                except OutOfPages:
+                    idle = next((v for k, v in self._seqs.items()
+                                 if k not in batch and v.pages.pages), None)
+                    if idle is None:
+                        self._out_of_pages(s)
+                        break
+                    self.cache.release(idle.pages)
+                    self._forget(idle)
+        return rows
+
+    def _out_of_pages(self, seq_id: int) -> None:
+        self._short += 1
+        if self._short in (1, 100) or self._short % 10000 == 0:
+            log.warning("draft KV pages ran out (%d pages of %d tokens): sequence %d drafts "
+                        "nothing this step (%d such rows so far); --num-blocks raises the limit",
+                        self.cache.blocks.num_blocks, self.cache.block_size, seq_id, self._short)
+
+    @torch.inference_mode()
+    def _draft(self, seqs: list[DraftSeq]) -> TreeBatch:
+        c = self.graphs.catch_up_len
+        units = [self._units(st) for st in seqs]
+        for st, u in zip(seqs, units):
+            st.pages.kv_len = min(st.pages.kv_len, u - 1)       # the newest unit is redone
+        behind = [(st, st.pages.kv_len, u - c) for st, u in zip(seqs, units)
+                  if u - st.pages.kv_len > c]
+        if behind:
+            self._prefill(behind)
+            for st, _, hi in behind:
+                st.pages.kv_len = hi
+        inputs = [self._inputs(st, st.pages.kv_len, u) for st, u in zip(seqs, units)]
+        out = self.graphs([t for t, _ in inputs], [x for _, x in inputs],
+                          [st.pages for st in seqs])
+        for st, u in zip(seqs, units):
+            st.pages.kv_len = u
+        self._drafted(seqs, out)
+        return TreeBatch(out[0].cpu(), out[1].cpu())
+
+    def warm_up(self, lengths: tuple[int, ...] = (8, 200, 1100), batch: int = 8) -> float:
+        """Run what first requests run: first syncs of several lengths, a decode-sized
+        step after each, and a batch, so that Triton compiles and CUDA graph captures
+        (seconds on a GPU) happen before serving, not inside a step the verify service
+        waits for under its deadline. Sequences get ids no engine hands out (< 0) and
+        are released: no state or page is left behind. Returns the seconds taken."""
+        t0 = time.perf_counter()
+        groups = [[n] for n in lengths] + [[lengths[0]] * batch]
+        for g, sizes in enumerate(groups):
+            ids = [-1000 * (g + 1) - i for i in range(len(sizes))]
+            for sid, n in zip(ids, sizes):
+                self.update(sid, [1] * n, n, [], None)
+            self.propose(ids)
+            for sid, n in zip(ids, sizes):
+                self.update(sid, [1] * (n + 1), 1, [], None)
+            self.propose(ids)
+            for sid in ids:
+                self.release(sid)
+        return time.perf_counter() - t0
+
+    def update(self, seq_id: int, tokens: list[int], new_count: int,
+               accepted_nodes: list[int], hidden: torch.Tensor | None) -> None:
+        raise NotImplementedError

@@ -1,0 +1,61 @@
+"""The draft model's step at a fixed shape, entirely on the device (what its CUDA
+graph holds: draft_service.kv_drafter.DraftGraphs).
+
+``catch_up_and_expand``: a [B, depth + 1] catch-up chain whose unused tail is
+padding, then ``expand``: EAGLE-2 expansion over depth - 1 tree chunks
+(``tree_build.Expansion``) and the rerank. Every shape depends only on (B, P) for
+a given envelope.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from common.forward_batch import device_forward_batch, padded_chain_batch
+from common.kv_cache import PagedKVCache
+from common.qwen3 import Qwen3Model
+from common.tree import TreeEnvelope
+from draft_service.tree_build import Expansion
+
+
+def level_depths(env: TreeEnvelope, device: torch.device) -> list[torch.Tensor]:
+    """Position offsets of each expansion chunk (levels 1..depth-1), made up front
+    so nothing is copied from the host inside a capture."""
+    return [torch.tensor([lv for lv in range(level) for _ in range(env.topk)], device=device)
+            for level in range(1, env.depth)]
+
+
+def expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType, env: TreeEnvelope,
+           depths: list[torch.Tensor], logp: torch.Tensor, ctx: torch.Tensor,
+           table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logp [B, V] root next-token log-probs, ctx [B] int32 draft kv_len (the root's
+    KV written), table [B, P] int32 -> tokens, parents [B, N] int32, chunk_pos [B, N]."""
+    b = logp.shape[0]
+    exp = Expansion(logp, env.topk, env.depth)
+    for level in range(1, env.depth):
+        tok, par, _ = exp.chunk(level)                                    # [B, level*K]
+        fb = device_forward_batch(tok, par, depths[level - 1], ctx, table, cache.block_size)
+        hidden, _ = net(fb, cache, ops)                                   # [B*level*K, H]
+        newest = hidden.view(b, level * env.topk, -1)[:, (level - 1) * env.topk:]
+        exp.grow(level, net.logits(newest).log_softmax(-1))               # [B, K, V]
+    return exp.rerank(env.num_nodes)
+
+
+def catch_up_and_expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType,
+                        env: TreeEnvelope, depths: list[torch.Tensor], tokens: torch.Tensor,
+                        count: torch.Tensor, ctx0: torch.Tensor, table: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens [B, C] int64 whose first count[b] (>= 1) are row b's uncommitted
+    tokens, ctx0 [B] int32 the draft KV length before them, table [B, P] int32
+    covering ctx0 + C + the expansion's scratch -> expand's outputs. The tail past
+    count[b] is padding: it sees only itself, nobody sees it, and the slots it
+    writes lie past the committed length (the expansion overwrites or never reads
+    them)."""
+    b, c = tokens.shape
+    fb = padded_chain_batch(tokens, count, ctx0, table, cache.block_size)
+    hidden, _ = net(fb, cache, ops)                                              # [B*C, H]
+    last = hidden.view(b, c, -1)[torch.arange(b, device=tokens.device), count.long() - 1]
+    logp = net.logits(last).log_softmax(-1)                                      # [B, V]
+    return expand(net, cache, ops, env, depths, logp, ctx0 + count, table)

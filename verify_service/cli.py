@@ -1,0 +1,44 @@
+"""`treespec verify`: its flags, the VerifyConfig they make, and serving it."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.cli import RUNTIME, ConfigError, add_runtime, check_model, given, run_server
+
+SERVER = "verify_service.server"
+
+
+def add_arguments(v: argparse.ArgumentParser) -> None:
+    v.add_argument("--model", required=True, help="target checkpoint dir or shipped name")
+    v.add_argument("--draft", metavar="HOST:PORT", help="draft service; omit for plain decode")
+    v.add_argument("--max-batch", type=int, help="running sequences per step")
+    v.add_argument("--max-model-len", type=int, help="0 = the checkpoint's context")
+    v.add_argument("--prefill-tokens", type=int, help="prompt tokens admitted per iteration")
+    v.add_argument("--step-deadline-ms", type=float, help="wait for a proposal, then plain decode")
+    v.add_argument("--reconnect-s", type=float, help="retry period while the draft is down")
+    v.add_argument("--draft-socket", choices=["auto", "off"],
+                   help="carry draft steps over the draft's local socket when this process "
+                        "reaches it (same host), else over the gRPC stream (default auto); "
+                        "off: always gRPC")
+    v.add_argument("--busy-poll", choices=["auto", "on", "off"],
+                   help="wait for the draft's answer and the device without sleeping (one "
+                        "busy core while steps run; default auto: on when the device is CUDA)")
+    add_runtime(v)
+
+
+def config(args: argparse.Namespace):
+    """VerifyConfig from parsed flags; ConfigError when it is refused."""
+    from verify_service.config import VerifyConfig
+    check_model(args.model)
+    try:
+        return VerifyConfig(model=args.model, draft=args.draft, **given(
+            args, RUNTIME + ("max_batch", "max_model_len", "prefill_tokens",
+                             "step_deadline_ms", "reconnect_s", "draft_socket", "busy_poll")))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    run_server(SERVER, config(args))
+    return 0

@@ -1,0 +1,54 @@
+"""What the verify engine needs from a draft, and why a step may go without one.
+
+Each step the engine asks its ``Drafter`` once for a tree per speculating sequence
+and, as sequences end, tells it to forget them. It never sees how the draft is
+reached: ``verify_service.draft_link.DraftLink`` is the draft service over the
+local socket or gRPC; tests drive the engine with drafters in the same process.
+Whatever a drafter answers, the engine checks it before the target sees it: a
+broken draft costs a step's speculation, never a token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from common.spec_types import DrafterInfo
+from common.tree import TreeBatch
+
+if TYPE_CHECKING:
+    from verify_service.sequence import Sequence
+
+# why a speculating step ran as plain decode ("empty_tree": a tree came, all padding)
+Fallback = Literal["no_draft", "disconnected", "busy", "deadline", "invalid_proposal"]
+
+
+@dataclass
+class Drafted:
+    """A drafter's answer for one step: trees, or the reason there are none."""
+
+    trees: TreeBatch | None                 # one row per sequence asked, in their order
+    fallback: Fallback | None = None        # set when trees is None
+    step_id: int = 0                        # the drafter's id for the step; 0: not asked
+    # the hop's time stamps (ns): request handed over, answer read, and the draft's
+    # own read and send (0 when it does not stamp); see observer.hop_parts
+    stamps: tuple[int, int, int, int] | None = None
+
+
+class Drafter(Protocol):
+    @property
+    def info(self) -> DrafterInfo | None:
+        """The draft's handshake (envelope, proposer, target layers it reads), None
+        before the first one."""
+
+    @property
+    def ready(self) -> bool:
+        """Whether a step asked now can get trees."""
+
+    async def propose(self, seqs: list[Sequence], trace: dict[str, str]) -> Drafted:
+        """Trees for these sequences (their committed tokens, the path accepted from
+        their last tree, their target hidden states when the draft reads them);
+        trace: the W3C carrier of the step's span ({} when untraced)."""
+
+    def release(self, seq_ids: list[int]) -> None:
+        """These sequences ended; the draft may forget them."""
