@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from common.cli import RUNTIME, ConfigError, add_runtime, check_model, given, run_server
+from common import cli
+from common.cli import RUNTIME, ConfigError, add_runtime, check_model, given
 
 SERVER = "draft_service.server"
 
@@ -51,5 +52,5 @@ def config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    run_server(SERVER, config(args))
+    cli.run_server(SERVER, config(args))
     return 0

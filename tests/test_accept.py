@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from common.accept import commit_plan
+from types import SimpleNamespace
+
+from common.accept import commit_kv
 from kernels import reference as ref
 
 
@@ -46,13 +48,22 @@ def test_padding_is_never_accepted_and_duplicates_take_lowest_index():
     assert acc == [[1]] and num == [1] and bonus == [2]
 
 
-def test_commit_plan_moves_only_what_is_out_of_place():
+def test_commit_kv_moves_each_accepted_path_after_its_root():
+    """Sequence-local slot s of row b lives at table[b][s // 4] * 4 + s % 4; each KV
+    value is its own flat slot, so what moved where reads off the cache."""
     accepted = t([[1, 5], [0, 1], [-1, -1]])
     num = t([2, 2, 0])
     kv_lens = t([10, 3, 7])
-    seq, src, dst = commit_plan(accepted, num, kv_lens)
+    tables = t([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
+    k = torch.arange(15 * 4, dtype=torch.float32).view(1, 15, 4, 1, 1)
+    cache = SimpleNamespace(k=k, v=-k, block_size=4)
+    commit_kv(cache, ref, accepted, num, kv_lens, tables)
+    got = cache.k.view(3, 20)                        # [row, sequence-local slot]
+    before = torch.arange(60, dtype=torch.float32).view(3, 20)
     # seq 0: node 1 at slot 12 -> 11, node 5 at 16 -> 12; seq 1 already contiguous
-    assert seq.tolist() == [0, 0] and src.tolist() == [12, 16] and dst.tolist() == [11, 12]
+    want = before.clone()
+    want[0, 11], want[0, 12] = before[0, 12], before[0, 16]
+    assert torch.equal(got, want) and torch.equal(cache.v, -cache.k)
 
 
 def test_compact_kv_makes_the_path_contiguous():

@@ -1,4 +1,4 @@
-"""`treespec bench-accept` end to end on the demo's random pair (which ships a tokenizer),
+"""bench/accept.py end to end on the demo's random pair (which ships a tokenizer),
 with a held-out list in TRAINING.json: every row is identical to plain greedy."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from common import bench_accept
+from bench import accept as bench_accept
 from common.demo_checkpoints import random_pair
 
 

@@ -18,8 +18,7 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "bench" / "h200.py"), "--out", str(out),
                     "--target-shape", "tiny", "--draft-shape", "tiny", "--device", "cpu",
                     "--ctx", "32", "--max-tokens", "16", "--batches", "1,2", "--nodes", "0,4",
-                    "--ab-busy-poll", "--ab-socket", "--ab-no-rehearse", "--ab-loud-spin",
-                    "--ab-grpc",
+                    "--ab-busy-poll", "--ab-grpc",
                     "--work", str(tmp_path / "work")],
                    check=True, timeout=300, cwd=ROOT, capture_output=True)
     r = json.loads(out.read_text())
@@ -43,46 +42,13 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     assert abs(hop["hop_to_draft_ms"] + hop["hop_draft_ms"] + hop["hop_to_verify_ms"]
                - hop["hop_wait_ms"]) < 1e-6 and hop["hop_draft_ms"] > 0
     assert e2e["replay_b1_nopoll"]["lossless"] and e2e["plain_b1_nopoll"]["tok_s"] > 0
-    assert e2e["replay_b1_socket"]["lossless"] and r["oracle4_tok_s_socket"] > 0
-    assert e2e["replay_b1_norehearse"]["lossless"] and r["oracle4_tok_s_norehearse"] > 0
-    assert e2e["replay_b1_loudspin"]["lossless"] and r["hop_share_loudspin"] > 0
     assert e2e["replay_b1_grpc"]["lossless"] and r["hop_share_grpc"] > 0
-    assert 0 < r["hop_share_socket"] < 1 and e2e["hop_socket_ms"] > 0
     # batch 1's figures are the median of three timed runs, all with the same output
     for key in ("plain_b1", "replay_b1", "replay_b1_grpc"):
         runs = e2e[key]["tok_s_runs"]
         assert len(runs) == 3 and e2e[key]["tok_s"] == sorted(runs)[1], key
     assert e2e["replay_b1"]["runs_agree"] and "tok_s_runs" not in e2e["replay_b2"]
-    # on the CPU the verify does not busy poll: the local socket without a mailbox
     assert e2e["replay_b1"]["carrier"] == "unix socket"
     assert e2e["replay_b1_grpc"]["carrier"] == "grpc"
     assert r["oracle4_decode_ratio"] > 0 and e2e["replay_b1"]["decode_tok_s"] > 0
     assert e2e["model_b1"]["fallback_steps"] == 0 and "error" not in e2e["model_b1"]
-    sched = e2e["replay_b1"]["sched"]      # the services' threads as the scheduler saw them
-    assert sched["verify"] and sched["draft"] and "steal_ms" in sched
-    assert max(t["run_ms"] for t in sched["verify"]) > 0
-
-
-def test_cold_probe_times_the_hop_work_after_each_kind_of_gap(tmp_path):
-    out = tmp_path / "cold.json"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "cold_probe.py"), "--out", str(out),
-                    "--iters", "15", "--gap-ms", "0.2"],
-                   check=True, timeout=120, cwd=ROOT, capture_output=True)
-    r = json.loads(out.read_text())
-    assert set(r["work_us"]) >= {"back_to_back", "sleep", "spin_python", "spin_epoll",
-                                 "spin_asyncio"} and min(r["work_us"].values()) > 0
-    assert r["host"]["clocksource"] or r["host"]["model"]
-
-
-def test_hop_probe_times_every_carrier_and_leaves_no_shared_memory(tmp_path):
-    out = tmp_path / "hop.json"
-    before = set(Path("/dev/shm").iterdir()) if Path("/dev/shm").exists() else set()
-    subprocess.run([sys.executable, str(ROOT / "bench" / "hop_probe.py"), "--out", str(out),
-                    "--iters", "20", "--gap-ms", "0,1"],
-                   check=True, timeout=180, cwd=ROOT, capture_output=True)
-    r = json.loads(out.read_text())
-    for carrier in ("grpc", "unix", "shm"):
-        assert set(r[carrier]) == {"back_to_back", "gap1_sleep", "gap1_spin"}
-        assert all(v["p50_ms"] > 0 for v in r[carrier].values())
-    after = set(Path("/dev/shm").iterdir()) if Path("/dev/shm").exists() else set()
-    assert after <= before

@@ -70,24 +70,16 @@ def test_verify_defaults_and_every_flag(served, target_dir):
                        "float16", "--kernels", "triton", "--max-batch", "8", "--num-blocks",
                        "128", "--block-size", "32", "--step-deadline-ms", "25.5",
                        "--max-model-len", "1024", "--prefill-tokens", "512", "--reconnect-s", "2",
-                       "--step-mode", "ragged", "--busy-poll", "off", "--rehearse", "off")
+                       "--busy-poll", "off", "--draft-socket", "off")
     assert cfg == VerifyConfig(model=str(target_dir), draft="10.0.0.2:5001", host="::", port=5000,
                                device="cuda:0", dtype="float16", kernels="triton", max_batch=8,
                                num_blocks=128, block_size=32, step_deadline_ms=25.5,
                                max_model_len=1024, prefill_tokens=512, reconnect_s=2.0,
-                               step_mode="ragged", busy_poll="off", rehearse="off")
+                               busy_poll="off", draft_socket="off")
     assert not cfg.busy("cuda") and VerifyConfig(model="m").busy("cuda")
     assert not VerifyConfig(model="m").busy("cpu") and VerifyConfig(model="m",
                                                                     busy_poll="on").busy("cpu")
-    # rehearsal rides on busy polling: on by default where the loop spins, never elsewhere
-    assert VerifyConfig(model="m").rehearsing("cuda") and not cfg.rehearsing("cuda")
-    assert not VerifyConfig(model="m", rehearse="on").rehearsing("cpu")
-    with pytest.raises(ValueError, match="rehearse must be on or off"):
-        VerifyConfig(model="m", rehearse="auto")
-    _, _, cfg = served("verify", "--model", str(target_dir), "--port", "0",
-                       "--draft-socket", "mailbox")
-    assert cfg.draft_socket == "mailbox"
-    with pytest.raises(ValueError, match="draft_socket must be auto, mailbox, socket or off"):
+    with pytest.raises(ValueError, match="draft_socket must be auto or off"):
         VerifyConfig(model="m", draft_socket="shm")
 
 

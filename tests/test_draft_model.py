@@ -12,10 +12,11 @@ from transformers import Qwen3ForCausalLM
 from common.tree import PAD, TreeEnvelope, envelope_from, node_depths, validate_tree
 from draft_service.config import DraftConfig
 from draft_service.model_proposer import ModelProposer
-from draft_service.proposer import warm_up
+
 from draft_service.tree_build import Expansion
 from kernels import reference
 from kernels.dispatch import KERNEL_NAMES
+from tests_data import tp
 
 VOCAB = 96
 PROMPTS = [[1, 5, 9, 13, 2, 7, 7, 30, 31], [3, 4, 5], [60]]
@@ -47,7 +48,8 @@ def test_chain_is_the_draft_models_greedy_continuation(which, request):
     prop = make(path, envelope_from("chain4"))
     for s, p in enumerate(PROMPTS):
         prop.update(s, p, len(p), [], None)
-    tokens, parents = prop.propose(list(range(len(PROMPTS))))
+    _tb = prop.propose(list(range(len(PROMPTS))))
+    tokens, parents = _tb.tokens, _tb.parents
     for s, p in enumerate(PROMPTS):
         ids = list(p)
         for _ in range(4):
@@ -63,7 +65,8 @@ def test_tree_level1_is_topk_and_rerank_is_best_first(draft_dir):
         prop = make(draft_dir, env)
         for s, p in enumerate(PROMPTS):
             prop.update(s, p, len(p), [], None)
-        tokens, parents = prop.propose(list(range(len(PROMPTS))))
+        _tb = prop.propose(list(range(len(PROMPTS))))
+        tokens, parents = _tb.tokens, _tb.parents
         assert validate_tree(tokens, parents, env.num_nodes, VOCAB) is None
         assert int(node_depths(parents).max()) <= env.depth
         for s, p in enumerate(PROMPTS):
@@ -142,11 +145,13 @@ def test_compacted_kv_proposes_exactly_what_a_recompute_does(draft_dir, name):
     for step in range(6):
         order = list(seqs)
         rng.shuffle(order)
-        t, p = inc.propose(order)
+        _tb = inc.propose(order)
+        t, p = _tb.tokens, _tb.parents
         for s in order:
             fresh.release(s)
             fresh.update(s, seqs[s], len(seqs[s]), [], None)
-        t2, p2 = fresh.propose(order)
+        _tb = fresh.propose(order)
+        t2, p2 = _tb.tokens, _tb.parents
         assert torch.equal(t, t2) and torch.equal(p, p2), f"step {step}"
         for row, s in enumerate(order):
             path = random_walk(rng, t[row].tolist(), p[row].tolist())
@@ -165,13 +170,14 @@ def test_inconsistent_accepted_nodes_are_recomputed(draft_dir):
     inc, fresh = make(draft_dir, env), make(draft_dir, env)
     p = list(PROMPTS[0])
     inc.update(0, p, len(p), [], None)
-    t, par = inc.propose([0])
+    _tb = inc.propose([0])
+    t, par = _tb.tokens, _tb.parents
     wrong = [int(t[0, 0]) + 1 if int(t[0, 0]) + 1 < VOCAB else 0, 5]   # not what node 0 says
     p += wrong
     inc.update(0, p, 2, [0], None)                    # claims node 0 was accepted
     assert inc._seqs[0].pages.kv_len == len(PROMPTS[0])
     fresh.update(0, p, len(p), [], None)
-    a, b = inc.propose([0]), fresh.propose([0])
+    a, b = tp(inc.propose([0])), tp(fresh.propose([0]))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -190,21 +196,25 @@ def test_release_frees_every_page(draft_dir):
 
 def test_out_of_pages_drops_idle_kv_then_pads(draft_dir):
     env = envelope_from("chain4")        # scratch 4 slots (a padded catch-up); block 4
-    prop = make(draft_dir, env, num_blocks=6, block_size=4)
+    prop = make(draft_dir, env, num_blocks=7, block_size=4)   # 6 + the graphs' scratch page
     long = list(range(1, 13))            # 12 + 4 = 16 slots = 4 pages
     prop.update(0, long, len(long), [], None)
     prop.update(1, [2, 3], 2, [], None)  # 2 + 4 = 6 slots = 2 pages
-    t, _ = prop.propose([0, 1])
+    _tb = prop.propose([0, 1])
+    t, _ = _tb.tokens, _tb.parents
     assert prop.cache.blocks.num_free == 0
     prop.update(2, [4, 5, 6], 3, [], None)
-    t, p = prop.propose([2])             # needs 2 pages: seq 0 (least recent) loses its KV
+    _tb = prop.propose([2])             # needs 2 pages: seq 0 (least recent) loses its KV
+    t, p = _tb.tokens, _tb.parents
     assert (p[0] != PAD).all()
     assert not prop._seqs[0].pages.pages and prop._seqs[1].pages.pages
     huge = list(range(1, 40))
     prop.update(3, huge, len(huge), [], None)
-    t, p = prop.propose([3, 2])          # seq 3 can never fit: padding, seq 2 still drafts
+    _tb = prop.propose([3, 2])          # seq 3 can never fit: padding, seq 2 still drafts
+    t, p = _tb.tokens, _tb.parents
     assert (p[0] == PAD).all() and (p[1] != PAD).all()
-    t, p = prop.propose([0])             # seq 0 recomputes from its tokens
+    _tb = prop.propose([0])             # seq 0 recomputes from its tokens
+    t, p = _tb.tokens, _tb.parents
     assert (p[0] != PAD).all()
 
 
@@ -214,10 +224,10 @@ def test_warmup_leaves_no_state_and_proposals_unchanged(draft_dir):
     env = envelope_from("tree-small")
     warm, cold = make(draft_dir, env, num_blocks=128), make(draft_dir, env, num_blocks=128)
     free = warm.cache.blocks.num_free
-    assert warm_up(warm, lengths=(3, 37), batch=3) >= 0
+    assert warm.warm_up(lengths=(3, 37), batch=3) >= 0
     assert not warm._seqs and warm.cache.blocks.num_free == free
     prompt = [5, 9, 2, 7, 7, 1, 3]
     for p in (warm, cold):
         p.update(1, prompt, len(prompt), [], None)
-    (tw, pw), (tc, pc) = warm.propose([1]), cold.propose([1])
+    (tw, pw), (tc, pc) = tp(warm.propose([1])), tp(cold.propose([1]))
     assert torch.equal(tw, tc) and torch.equal(pw, pc)

@@ -1,5 +1,6 @@
 """The EAGLE-3 proposer's start-up warm-up and its fixed-shape step (what a GPU
-replays as one CUDA graph), against the eager path on the CPU."""
+replays as one CUDA graph: padded catch-up, page buckets, KV kept across steps),
+against drafting from scratch, on the CPU."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ import pytest
 import torch
 
 from common.tree import PRESETS, ROOT
-from draft_service.eagle3_step import Eagle3Graphs
-from draft_service.proposer import warm_up
 from test_eagle3 import C, _inputs, _proposer, head_dir  # noqa: F401  (head_dir: fixture)
+from tests_data import tp
 
 
 def test_warm_up_leaves_no_state_and_proposals_unchanged(head_dir):
@@ -20,31 +20,32 @@ def test_warm_up_leaves_no_state_and_proposals_unchanged(head_dir):
     env = PRESETS["tree-small"]
     warm, cold = _proposer(head_dir, env), _proposer(head_dir, env)
     free = warm.cache.blocks.num_free
-    assert warm_up(warm, lengths=(3, 20), batch=3) >= 0
+    assert warm.warm_up(lengths=(3, 20), batch=3) >= 0
     assert not warm._seqs and warm.cache.blocks.num_free == free
     tokens, rows = _inputs(4, 9)
     for p in (warm, cold):
         p.update(1, tokens, len(tokens), [], rows)
-    (tw, pw), (tc, pc) = warm.propose([1]), cold.propose([1])
+    (tw, pw), (tc, pc) = tp(warm.propose([1])), tp(cold.propose([1]))
     assert torch.equal(tw, tc) and torch.equal(pw, pc)
 
 
 @pytest.mark.parametrize("name", ["chain4", "tree-small", "tree-wide"])
-def test_fixed_shape_step_equals_direct(head_dir, name):
-    """The step a GPU replays (catch-up padded to depth + 1 pairs, then the
-    expansion, eagle3_step) proposes exactly what the eager path does, over steps
-    with random accepted paths and over lengths that put the padding on page edges."""
+def test_fixed_shape_step_equals_drafting_from_scratch(head_dir, name):
+    """The step a GPU replays (catch-up padded to depth + 1 pairs over KV kept from
+    earlier steps, then the expansion, eagle3_step) proposes exactly what a fresh
+    proposer given the same pairs does, over steps with random accepted paths and
+    over lengths that put the padding on page edges."""
     env = PRESETS[name]
     rng = random.Random(11)
     g = torch.Generator().manual_seed(12)
     for n in (3, 6, 7, 8, 13):
-        direct, fixed = _proposer(head_dir, env), _proposer(head_dir, env)
-        fixed.graphs = Eagle3Graphs(fixed.head, fixed.cache, fixed.ops, env, capture=False)
+        fixed = _proposer(head_dir, env)
         tokens, rows = _inputs(n, n)
-        for prop in (direct, fixed):
-            prop.update(0, tokens, len(tokens), [], rows)
+        fixed.update(0, tokens, len(tokens), [], rows)
         for step in range(4):
-            (t1, p1), (t2, p2) = direct.propose([0]), fixed.propose([0])
+            fresh = _proposer(head_dir, env)
+            fresh.update(0, tokens, len(tokens), [], rows)
+            (t1, p1), (t2, p2) = tp(fresh.propose([0])), tp(fixed.propose([0]))
             assert torch.equal(t1, t2) and torch.equal(p1, p2), (n, step)
             path, cur = [], ROOT
             while rng.random() < 0.6:
@@ -56,14 +57,13 @@ def test_fixed_shape_step_equals_direct(head_dir, name):
             new = [int(t1[0, i]) for i in path] + [rng.randrange(96)]
             tokens = tokens + new
             feats = torch.randn(len(new), C, generator=g)
-            for prop in (direct, fixed):
-                prop.update(0, tokens, len(new), path, feats)
+            rows = torch.cat([rows, feats])
+            fixed.update(0, tokens, len(new), path, feats)
         assert fixed.graphs.buckets.batches("step") == [1]
 
 
-@pytest.mark.parametrize("step_mode", ["fixed", "ragged"])
 @pytest.mark.parametrize("slow_call", [1, 2, 3])
-def test_late_drafter_keeps_hidden_rows_aligned(target_dir, head_dir, step_mode, slow_call):
+def test_late_drafter_keeps_hidden_rows_aligned(target_dir, head_dir, slow_call):
     """A drafter that misses the step deadline turns steps into plain decode; those
     steps must still capture the root's hidden row, or the next update carries too
     few rows and the drafter refuses the stream. Output stays greedy's, and the
@@ -76,7 +76,7 @@ def test_late_drafter_keeps_hidden_rows_aligned(target_dir, head_dir, step_mode,
     from test_eagle3 import MAX_TOKENS, PROMPTS
 
     async def go():
-        async with services(target_dir, "eagle3", head_dir, "tree-small", step_mode=step_mode,
+        async with services(target_dir, "eagle3", head_dir, "tree-small",
                             step_deadline_ms=30) as h:
             prop = h["draft_engine"].proposer
             propose, calls = prop.propose, [0]

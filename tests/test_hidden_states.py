@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
@@ -13,9 +12,8 @@ from common import codec
 from common.client import AsyncTreespecClient
 from common.grpc_server import start_server
 from common.spec_types import DrafterInfo
-from common.tree import PRESETS
+from common.tree import PRESETS, TreeBatch
 from common.wire import drafter_info_to_pb
-from draft_service.proposer import padding_trees
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
@@ -44,7 +42,8 @@ class RecordingDrafter(pb_grpc.DrafterServicer):
                 self.tokens[u.seq_id] += list(u.new_tokens)
                 self.rows[u.seq_id].append(codec.decode(u.hidden_states))
                 ids.append(u.seq_id)
-            tokens, parents = padding_trees(len(ids), ENV.num_nodes)
+            trees = TreeBatch.padding(len(ids), ENV.num_nodes)
+            tokens, parents = trees.tokens, trees.parents
             for r, s in enumerate(ids):
                 done = len(self.tokens[s]) - self.prompt_len
                 nxt = self.replay[done:done + ENV.depth]
@@ -54,8 +53,7 @@ class RecordingDrafter(pb_grpc.DrafterServicer):
                               parents=codec.encode(parents))
 
 
-@pytest.mark.parametrize("step_mode", ["ragged", "fixed"])
-def test_hidden_states_of_committed_tokens_travel_once(target_dir, step_mode):
+def test_hidden_states_of_committed_tokens_travel_once(target_dir):
     from inproc import greedy_reference
     prompt = [1, 5, 9, 13, 2, 7, 1, 5]
     ref = greedy_reference(target_dir, prompt, 20)
@@ -69,7 +67,7 @@ def test_hidden_states_of_committed_tokens_travel_once(target_dir, step_mode):
         from verify_service.config import VerifyConfig
         vs, vport, engine = await verify_server.start(VerifyConfig(
             model=str(target_dir), draft=f"127.0.0.1:{port}", device="cpu", block_size=4,
-            num_blocks=128, step_deadline_ms=2000, step_mode=step_mode))
+            num_blocks=128, step_deadline_ms=2000))
         for _ in range(200):
             if engine.link.ready:
                 break
@@ -96,9 +94,9 @@ def test_hidden_states_of_committed_tokens_travel_once(target_dir, step_mode):
 
 
 def test_hidden_buffer_appends_in_amortized_place():
-    from verify_service.hidden_states import HiddenBuffer
+    from common.row_buffer import RowBuffer
     first = torch.arange(6.0).view(3, 2)
-    buf = HiddenBuffer(first)
+    buf = RowBuffer(first)
     grown = []
     for step in range(20):
         rows = torch.full((1 + step % 3, 2), float(step))

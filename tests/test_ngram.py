@@ -11,6 +11,7 @@ from common.tree import PAD, TreeEnvelope, validate_tree
 from draft_service.config import DraftConfig
 from draft_service.ngram import NgramProposer, merge_paths
 from draft_service.ngram_index import NgramIndex
+from tests_data import tp
 
 P = PAD
 
@@ -20,7 +21,8 @@ def propose(tokens: list[int], env: TreeEnvelope, n_min: int = 1, n_max: int = 3
     prop = NgramProposer(DraftConfig(method="ngram", envelope=env, ngram_min=n_min,
                                      ngram_max=n_max))
     prop.update(7, tokens, len(tokens), [], None)
-    t, p = prop.propose([7])
+    _tb = prop.propose([7])
+    t, p = _tb.tokens, _tb.parents
     assert validate_tree(t, p, env.num_nodes, 1000) is None
     return t[0].tolist(), p[0].tolist()
 
@@ -95,7 +97,7 @@ def test_incremental_updates_equal_a_fresh_index():
         inc.update(1, seq, len(new), [], None)
         fresh = NgramProposer(cfg)
         fresh.update(1, list(seq), len(seq), [], None)
-        a, b = inc.propose([1]), fresh.propose([1])
+        a, b = tp(inc.propose([1])), tp(fresh.propose([1]))
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         assert validate_tree(*a, 8, 6) is None
     # a stale index (lengths disagree) is rebuilt, not trusted
@@ -108,7 +110,8 @@ def test_batch_rows_in_order_and_release():
     prop = NgramProposer(DraftConfig(method="ngram", envelope=env))
     prop.update(1, [4, 5, 4], 3, [], None)
     prop.update(2, [1, 2, 3], 3, [], None)
-    t, p = prop.propose([2, 1])
+    _tb = prop.propose([2, 1])
+    t, p = _tb.tokens, _tb.parents
     assert t.tolist() == [[0, 0], [5, 4]] and p.tolist() == [[P, P], [-1, 0]]
     assert t.dtype == p.dtype == torch.int32
     prop.release(1)
@@ -127,7 +130,8 @@ def test_a_few_thousand_tokens_stay_fast():
     for i in range(200):
         seq.append(base[i % len(base)])
         prop.update(1, seq, 1, [], None)
-        t, p = prop.propose([1])
+        _tb = prop.propose([1])
+        t, p = _tb.tokens, _tb.parents
     elapsed = time.perf_counter() - start
     assert validate_tree(t, p, 32, 50) is None
     assert int((p[0] != P).sum()) >= 5

@@ -9,11 +9,12 @@ imported. With ``TRITON_INTERPRET=0`` on a CUDA machine the same tests run compi
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from common.accept import commit_plan
+from common.accept import commit_kv
 from kernels import reference as ref
 from triton_interpret import DEV, HAVE_TRITON, INTERPRET, load as _load, needs_triton
 
@@ -107,7 +108,7 @@ def test_compact_overlapping_path_exact():
     k = torch.arange(layers * nb * bs, dtype=torch.float32, device=DEV).view(layers, nb, bs, 1, 1)
     k = k.expand(layers, nb, bs, 2, 16).contiguous()
     v = -k
-    seq, src, dst = commit_plan(i32([[1, 2]]), i32([2]), i32([4]))
+    src, dst = i32([6, 7]), i32([5, 6])
     table = torch.tensor([2, 0, 1], device=DEV)
     fs, fd = table[src // bs] * bs + src % bs, table[dst // bs] * bs + dst % bs
     want_k = k.clone()
@@ -246,14 +247,12 @@ def test_compact_kv_vs_reference():
     for i in range(b):
         acc[i, :num[i]] = torch.sort(torch.randperm(8, generator=g)[:num[i]]).values.int()
     kv_lens = i32([0, 3, 5, 2])
-    seq, src, dst = commit_plan(acc.to(DEV), num.to(DEV), kv_lens)
-    table = torch.randperm(nb, generator=g)[:16].view(b, 4).to(DEV)
-    fs = table[seq, src // bs] * bs + src % bs
-    fd = table[seq, dst // bs] * bs + dst % bs
-    want_k, want_v = k.clone(), v.clone()
-    ref.compact_kv(want_k, want_v, fs, fd)
-    tb.compact_kv(k, v, fs, fd)
-    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    table = torch.randperm(nb, generator=g)[:16].view(b, 4).to(DEV, torch.int32)
+    want = SimpleNamespace(k=k.clone(), v=v.clone(), block_size=bs)
+    commit_kv(want, ref, acc.to(DEV), num.to(DEV), kv_lens, table)
+    got = SimpleNamespace(k=k, v=v, block_size=bs)
+    commit_kv(got, tb, acc.to(DEV), num.to(DEV), kv_lens, table)
+    assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
 
 
 def test_accept_greedy_vs_reference():
