@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from common import fanout
 from common.spec_types import SpecRequest, SpecResponse
 
 
@@ -39,22 +40,5 @@ class NullDraftObserver:
         pass
 
 
-class DraftObservers:
-    """Several observers as one."""
-
-    def __init__(self, observers: list[DraftObserver]) -> None:
-        self.observers = observers
-
-    def step_finished(self, record: DraftStepRecord) -> None:
-        for o in self.observers:
-            o.step_finished(record)
-
-    def close(self) -> None:
-        for o in self.observers:
-            o.close()
-
-
 def combine(observers: list[DraftObserver]) -> DraftObserver:
-    if not observers:
-        return NullDraftObserver()
-    return observers[0] if len(observers) == 1 else DraftObservers(observers)
+    return fanout.combine(observers, NullDraftObserver())

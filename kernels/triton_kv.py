@@ -4,9 +4,9 @@ Same layout and semantics as ``kernels.reference.write_kv`` / ``compact_kv``: a
 flat slot id is ``page * block_size + offset``; a slot's row is
 ``[kv_heads, head_dim]``.
 
-Why ``compact_kv`` is race-free. The moves come from ``common.accept.commit_plan``:
-per sequence, dst is strictly increasing and src >= dst; different sequences own
-disjoint slots. Hence no move ever reads a slot that an *earlier* move writes
+Why ``compact_kv`` is race-free. The moves come from ``common.accept.commit_kv``
+(and the draft model's rollback, in the same order): per sequence, dst is strictly
+increasing and src >= dst; different sequences own disjoint slots. Hence no move ever reads a slot that an *earlier* move writes
 (src_m >= dst_m > dst_j for j < m), so the only hazard is write-after-read: move k
 overwriting the slot an earlier move m < k reads (path [1, 2]: 2->1 then 3->2).
 Each program owns a disjoint (layer, column range) of the caches and walks the
@@ -104,7 +104,7 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor,
     """Move KV of flat slots src -> dst [M] in every layer.
 
     Caches [layers, num_blocks, block_size, kv_heads, head_dim], each slot's row
-    dense. Requires what commit_plan produces (per sequence: src >= dst, dst
+    dense. Requires what commit_kv produces (per sequence: src >= dst, dst
     strictly increasing); see the module docstring for why that is race-free.
     """
     where = "compact_kv"

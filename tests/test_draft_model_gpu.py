@@ -1,6 +1,6 @@
-"""The draft-model proposer on a GPU: captured expansion and captured steady-state
-steps (catch-up + expansion in one replay) draft, in fp32, the trees the CPU
-reference path drafts. Skipped without CUDA."""
+"""The draft-model proposer on a GPU: captured steps (catch-up + expansion in one
+replay) draft, in fp32, the trees the CPU reference path drafts. Skipped without
+CUDA."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from common.tree import envelope_from, validate_tree
 from draft_service.config import DraftConfig
 from draft_service.model_proposer import ModelProposer
 from kernels.dispatch import triton_available
+from tests_data import tp
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available()
                                 or not triton_available(torch.device("cuda:0")),
@@ -26,7 +27,7 @@ def _trees(path, env, device, dtype, kernels):
     seqs = {s: list(p) for s, p in PROMPTS.items()}
     for s, toks in seqs.items():
         prop.update(s, toks, len(toks), [], None)
-    got = [prop.propose(list(seqs))]
+    got = [tp(prop.propose(list(seqs)))]
     for step in range(3):                # accept node 0 and a bonus: steady-state steps
         t, p = got[-1]
         for row, s in enumerate(seqs):
@@ -34,7 +35,7 @@ def _trees(path, env, device, dtype, kernels):
             new = [int(t[row, 0])] * len(path) + [(step * 13 + s) % 90 + 1]
             seqs[s] += new
             prop.update(s, seqs[s], len(new), path, None)
-        got.append(prop.propose(list(seqs)))
+        got.append(tp(prop.propose(list(seqs))))
     return got, prop
 
 
@@ -43,8 +44,8 @@ def test_captured_draft_steps_match_the_cpu_reference(draft_dir, envelope):
     env = envelope_from(envelope)
     want, _ = _trees(draft_dir, env, "cpu", "float32", "reference")
     fp32, gpu = _trees(draft_dir, env, "cuda:0", "float32", "triton")
-    assert gpu.expander is not None and gpu.expander.buckets.batches("step")
-    assert any(g.graph is not None for g in gpu.expander.buckets.graphs.values())
+    assert gpu.graphs.buckets.batches("step")
+    assert any(g.graph is not None for g in gpu.graphs.buckets.graphs.values())
     for (wt, wp), (ft, fp) in zip(want, fp32):
         assert torch.equal(ft.cpu(), wt) and torch.equal(fp.cpu(), wp)
         assert validate_tree(wt, wp, env.num_nodes, 96) is None

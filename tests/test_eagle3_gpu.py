@@ -12,6 +12,7 @@ from draft_service.config import DraftConfig
 from draft_service.eagle3_proposer import Eagle3Proposer
 from kernels.dispatch import triton_available
 from test_eagle3 import _inputs, head_dir  # noqa: F401  (head_dir: the module's fixture)
+from tests_data import tp
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available()
                                 or not triton_available(torch.device("cuda:0")),
@@ -25,10 +26,10 @@ def _trees(path, env, device, dtype, kernels, inputs):
     got = []
     for s, (toks, rows) in inputs.items():   # full update, then a delta of 3 tokens
         prop.update(s, toks[:-3], len(toks) - 3, [], rows[:-3])
-    got.append(prop.propose(list(inputs)))
+    got.append(tp(prop.propose(list(inputs))))
     for s, (toks, rows) in inputs.items():
         prop.update(s, toks, 3, [0], rows[-3:])
-    got.append(prop.propose(list(inputs)))
+    got.append(tp(prop.propose(list(inputs))))
     return got
 
 

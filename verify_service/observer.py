@@ -4,7 +4,7 @@ The engine imports neither OpenTelemetry nor prometheus-client; it calls an
 ``EngineObserver`` at five points and hands it plain data. ``NullObserver`` (the
 default) does nothing, so an engine without telemetry pays a few no-op calls and
 ``time.time_ns()`` reads per step. Implementations: ``verify_service.metrics``
-(prometheus) and ``verify_service.tracing`` (spans); ``Observers`` fans out to
+(prometheus) and ``verify_service.tracing`` (spans); ``combine`` fans out to
 several.
 
 Call order, all on the engine's event loop:
@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from common import fanout
 from common.tree import TreeEnvelope
 
 if TYPE_CHECKING:
@@ -133,46 +134,6 @@ class NullObserver:
         pass
 
 
-class Observers:
-    """Several observers as one, called in order; the first non-empty carrier wins."""
-
-    def __init__(self, observers: list[EngineObserver]) -> None:
-        self.observers = observers
-
-    def submitted(self, seq: Sequence) -> None:
-        for o in self.observers:
-            o.submitted(seq)
-
-    def prefilled(self, seqs: list[Sequence], t_start: int, t_end: int) -> None:
-        for o in self.observers:
-            o.prefilled(seqs, t_start, t_end)
-
-    def step_started(self, seqs: list[Sequence]) -> None:
-        for o in self.observers:
-            o.step_started(seqs)
-
-    def draft_context(self) -> dict[str, str]:
-        carrier: dict[str, str] = {}
-        for o in self.observers:
-            got = o.draft_context()
-            carrier = carrier or got
-        return carrier
-
-    def step_finished(self, record: StepRecord) -> None:
-        for o in self.observers:
-            o.step_finished(record)
-
-    def finished(self, seq: Sequence) -> None:
-        for o in self.observers:
-            o.finished(seq)
-
-    def close(self) -> None:
-        for o in self.observers:
-            o.close()
-
-
 def combine(observers: list[EngineObserver]) -> EngineObserver:
-    """NullObserver for none, the observer itself for one, else Observers."""
-    if not observers:
-        return NullObserver()
-    return observers[0] if len(observers) == 1 else Observers(observers)
+    """NullObserver for none, the observer itself for one, else all of them in order."""
+    return fanout.combine(observers, NullObserver())
