@@ -1,8 +1,8 @@
-"""Tensors across the gRPC hop: ``Tensor{dtype, shape, data}``, never repeated floats.
+"""Tensors across the hop: ``Tensor{dtype, shape, data}``, never repeated floats.
 
-Device -> host goes through a reused pinned staging buffer with a non-blocking
-copy (one sync per message); host -> device goes from the message bytes via
-``torch.frombuffer`` into pinned memory, then a non-blocking copy.
+Only host tensors are encoded: device tensors reach the host first through a reused
+pinned ``Staging`` buffer (one non-blocking copy and one sync for a whole message's
+rows); decoding copies the message bytes once, into a tensor of its own.
 """
 
 from __future__ import annotations
@@ -46,18 +46,18 @@ class Staging:
 _BYTES_VIEW = {torch.bfloat16: torch.int16}
 
 
-def encode(t: torch.Tensor, staging: Staging | None = None) -> pb.Tensor:
+def encode(t: torch.Tensor) -> pb.Tensor:
+    """A host tensor as a message."""
     name = NAMES.get(t.dtype)
     if name is None:
         raise CodecError(f"dtype {t.dtype} cannot travel")
-    t = t.detach()
-    host = (staging or Staging()).host_copy(t) if t.device.type == "cuda" else t.contiguous()
+    host = t.detach().contiguous()
     raw = host.view(_BYTES_VIEW.get(t.dtype, t.dtype)).numpy().tobytes() if host.numel() else b""
     return pb.Tensor(dtype=name, shape=host.shape, data=raw)
 
 
-def decode(msg: pb.Tensor, device: torch.device | str = "cpu",
-           expect_dtype: torch.dtype | None = None) -> torch.Tensor:
+def decode(msg: pb.Tensor, expect_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A message as a host tensor (CodecError if its dtype, shape and size disagree)."""
     dtype = DTYPES.get(msg.dtype)
     if dtype is None:
         raise CodecError(f"unknown tensor dtype {msg.dtype!r}; expected one of {sorted(DTYPES)}")
@@ -72,8 +72,5 @@ def decode(msg: pb.Tensor, device: torch.device | str = "cpu",
         raise CodecError(f"tensor of shape {shape} and dtype {msg.dtype} needs "
                          f"{numel * dtype.itemsize} bytes, got {len(data)}")
     if numel == 0:
-        return torch.empty(shape, dtype=dtype, device=device)
-    host = torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
-    if device != "cpu" and torch.device(device).type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)

@@ -1,9 +1,10 @@
 """`treespec demo`: both services on loopback, one prompt, speculative beside plain decode.
 
-Starts `treespec draft` and `treespec verify` as child processes on free ports, streams
-a completion, runs the same prompt again with speculation off, and prints both
-timings and the acceptance figures. The children are stopped (SIGTERM, then SIGKILL)
-however the demo ends.
+Starts `treespec draft` and `treespec verify` as child processes on free ports, on the
+checkpoints the package ships (the tiny-code target and its tiny-code-draft; nothing
+is downloaded), streams a completion, runs the same prompt again with speculation off,
+and prints both timings and the acceptance figures. The children are stopped
+(SIGTERM, then SIGKILL) however the demo ends.
 """
 
 from __future__ import annotations
@@ -12,46 +13,19 @@ import argparse
 import signal
 import sys
 import time
-from pathlib import Path
 
 from common.cli import positive_int
 from common.client import Collector, Completion, ServerInfo, TreespecClient, tokens_per_step
-from common.demo_checkpoints import DemoModels, demo_models
 from common.launch import ServiceProcess, start_service
-from common.model_paths import resolve_model
 
-# Repeated spans, so an n-gram proposer has something to find even with random weights.
+TARGET, DRAFT = "tiny-code", "tiny-code-draft"
+# Repeated spans, so an n-gram proposer has something to find too.
 PROMPT = ("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\n" * 2
           + "def fib(n):\n")
-FALLBACK_IDS = [3, 14, 15, 92, 65, 35, 89, 79] * 3
 
 
 def _on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
-
-
-class _Text:
-    """The prompt as the server takes it, and a way to show ids as text without a server tokenizer."""
-
-    def __init__(self, info: ServerInfo, model: str) -> None:
-        self.server_text = info.has_tokenizer
-        self.local = None
-        path = resolve_model(model) / "tokenizer.json"
-        if not self.server_text and path.exists():
-            from tokenizers import Tokenizer
-            self.local = Tokenizer.from_file(str(path))
-
-    def request(self) -> dict:
-        if self.server_text:
-            return {"prompt": PROMPT}
-        if self.local is not None:
-            return {"prompt_ids": self.local.encode(PROMPT, add_special_tokens=False).ids}
-        return {"prompt_ids": FALLBACK_IDS}
-
-    def show(self, ids: list[int]) -> str:
-        if self.local is not None:
-            return self.local.decode(ids)
-        return " ".join(map(str, ids))
 
 
 def _wait_draft(client: TreespecClient, timeout: float) -> ServerInfo:
@@ -63,18 +37,12 @@ def _wait_draft(client: TreespecClient, timeout: float) -> ServerInfo:
     return info
 
 
-def _stream(client: TreespecClient, text: _Text, req: dict) -> tuple[Completion, float]:
+def _stream(client: TreespecClient, req: dict) -> tuple[Completion, float]:
     out = Collector()
-    shown = ""
     start = time.perf_counter()
     for chunk in client.generate_stream(**req):
         out.add(chunk)
-        if text.server_text:
-            sys.stdout.write(chunk.text)
-        else:
-            now = text.show(out.ids)
-            sys.stdout.write(now[len(shown):] if now.startswith(shown) else f"\n{now}")
-            shown = now
+        sys.stdout.write(chunk.text)
         sys.stdout.flush()
     elapsed = time.perf_counter() - start
     print()
@@ -108,42 +76,31 @@ def _report(spec: Completion, spec_s: float, plain: Completion, plain_s: float) 
     print(f"identical output with and without speculation: {'yes' if same else 'NO'}")
 
 
-def _describe(models: DemoModels, method: str) -> None:
-    if models.random:
-        print(f"Using RANDOM weights (tiny Qwen3 pair in {Path(models.target).parent}): the text "
-              "is gibberish; the demo shows the machinery, not model quality.")
-    else:
-        print(f"Using the shipped checkpoints {models.target} (target) and {models.draft} (draft).")
-    print(f"Proposer: {method}.")
-
-
 def add_arguments(m: argparse.ArgumentParser) -> None:
-    m.add_argument("--method", choices=["ngram", "model"],
-                   help="proposer (default: model with shipped checkpoints, else ngram)")
+    m.add_argument("--method", choices=["ngram", "model"], default="model",
+                   help=f"proposer (default model: {DRAFT})")
     m.add_argument("--envelope", default="chain4", help="tree preset for the draft")
     m.add_argument("--device", default="auto", help="device for both services")
     m.add_argument("--max-tokens", type=positive_int, default=64)
-    m.add_argument("--cache-dir", help="where random demo checkpoints are kept "
-                   "(default ~/.cache/treespec)")
     m.add_argument("--startup-timeout", type=float, default=180.0)
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    models = demo_models(Path(args.cache_dir).expanduser() if args.cache_dir else None)
-    method = args.method or ("ngram" if models.random else "model")
-    _describe(models, method)
+    method = args.method
+    print(f"Using the shipped checkpoints {TARGET} (target) and {DRAFT} (draft).")
+    print(f"Proposer: {method}.")
     services: list[ServiceProcess] = []
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         draft_args = ["draft", "--method", method, "--envelope", args.envelope,
                       "--port", "0", "--device", args.device]
         if method == "model":
-            draft_args += ["--model", models.draft]
+            draft_args += ["--model", DRAFT]
         services.append(start_service("draft", draft_args, args.startup_timeout))
         draft_addr = services[0].addr
         print(f"draft service listening on {draft_addr} (pid {services[0].proc.pid})")
         services.append(start_service("verify", [
-            "verify", "--model", models.target, "--draft", draft_addr, "--port", "0",
+            "verify", "--model", TARGET, "--draft", draft_addr, "--port", "0",
             "--device", args.device], args.startup_timeout))
         verify_addr = services[1].addr
         print(f"verify service listening on {verify_addr} (pid {services[1].proc.pid})",
@@ -154,11 +111,10 @@ def run_demo(args: argparse.Namespace) -> int:
             if not info.draft_connected:
                 print("warning: the verify service has not connected to the draft; "
                       "steps will run as plain decode")
-            text = _Text(info, models.target)
-            req = dict(text.request(), max_tokens=args.max_tokens, ignore_eos=models.random)
+            req = dict(prompt=PROMPT, max_tokens=args.max_tokens)
             client.generate(**dict(req, max_tokens=min(4, args.max_tokens)))  # warm-up
             print(f"\n--- prompt ---\n{PROMPT}--- speculative completion ---")
-            spec, spec_s = _stream(client, text, req)
+            spec, spec_s = _stream(client, req)
             plain, plain_s = _timed(client, dict(req, no_speculation=True))
         print()
         _report(spec, spec_s, plain, plain_s)

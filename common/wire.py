@@ -30,7 +30,7 @@ def drafter_info_from_pb(m: pb.DrafterInfo) -> DrafterInfo:
                        model=m.model)
 
 
-def spec_request_to_pb(r: SpecRequest, staging: codec.Staging | None = None) -> pb.SpeculateRequest:
+def spec_request_to_pb(r: SpecRequest) -> pb.SpeculateRequest:
     m = pb.SpeculateRequest(step_id=r.step_id, released=r.released,
                             trace_context=r.trace_context)
     add = m.sequences.add        # built in place: no per-sequence message copy
@@ -39,16 +39,16 @@ def spec_request_to_pb(r: SpecRequest, staging: codec.Staging | None = None) -> 
                 full=u.full, accepted_nodes=u.accepted_nodes,
                 accepted_step_id=u.accepted_step_id)
         if u.hidden is not None:
-            s.hidden_states.CopyFrom(codec.encode(u.hidden, staging))
+            s.hidden_states.CopyFrom(codec.encode(u.hidden))
     return m
 
 
-def spec_request_from_pb(m: pb.SpeculateRequest, device: torch.device | str = "cpu") -> SpecRequest:
+def spec_request_from_pb(m: pb.SpeculateRequest) -> SpecRequest:
     seqs = [SeqUpdate(seq_id=u.seq_id, committed_len=u.committed_len,
                       new_tokens=list(u.new_tokens), full=u.full,
                       accepted_nodes=list(u.accepted_nodes),
                       accepted_step_id=u.accepted_step_id,
-                      hidden=codec.decode(u.hidden_states, device)
+                      hidden=codec.decode(u.hidden_states)
                       if u.HasField("hidden_states") else None)
             for u in m.sequences]
     return SpecRequest(step_id=m.step_id, seqs=seqs, released=list(m.released),

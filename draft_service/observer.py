@@ -10,7 +10,6 @@ worker thread, one step at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 from common import fanout
 from common.spec_types import SpecRequest, SpecResponse
@@ -26,18 +25,18 @@ class DraftStepRecord:
     t_end: int
 
 
-class DraftObserver(Protocol):
-    def step_finished(self, record: DraftStepRecord) -> None: ...
+class DraftObserver:
+    """The hooks; each does nothing here, so an observer overrides what it uses."""
 
-    def close(self) -> None: ...
-
-
-class NullDraftObserver:
     def step_finished(self, record: DraftStepRecord) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+class NullDraftObserver(DraftObserver):
+    """Observes nothing (telemetry off)."""
 
 
 def combine(observers: list[DraftObserver]) -> DraftObserver:

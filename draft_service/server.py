@@ -28,28 +28,14 @@ if TYPE_CHECKING:
 class DraftServer:
     """The draft's gRPC server and its local-socket server (when on); stop() stops both."""
 
-    def __init__(self, server: grpc.aio.Server, local: LocalServer | None) -> None:
+    def __init__(self, server: grpc.aio.Server, servicer: DrafterServicer) -> None:
         self.grpc = server
-        self.local = local
+        self.servicer = servicer
 
     async def stop(self, grace: float | None) -> None:
-        if self.local is not None:
-            await self.local.close()
+        if self.servicer.local is not None:
+            await self.servicer.local.close()
         await self.grpc.stop(grace)
-
-
-async def start(cfg: DraftConfig, proposer: Proposer | None = None,
-                tracer_provider: TracerProvider | None = None
-                ) -> tuple[DraftServer, int, DraftEngine]:
-    """Build the engine (loading the draft model, if any) and start serving it.
-
-    Returns the started servers, the gRPC port (cfg.port 0 = a free one) and the
-    engine, for in-process use; stop with ``await server.stop(grace)``, then
-    ``engine.observer.close()`` (closes /metrics). Traces go to tracer_provider,
-    by default the one the OTEL_* variables describe (none when tracing is off).
-    """
-    server, port, servicer = await _start(cfg, proposer, tracer_provider)
-    return DraftServer(server, servicer.local), port, servicer.engine
 
 
 def build_engine(cfg: DraftConfig, proposer: Proposer | None,
@@ -72,9 +58,16 @@ def build_engine(cfg: DraftConfig, proposer: Proposer | None,
     return engine
 
 
-async def _start(cfg: DraftConfig, proposer: Proposer | None,
-                 tracer_provider: TracerProvider | None = None
-                 ) -> tuple[grpc.aio.Server, int, DrafterServicer]:
+async def start(cfg: DraftConfig, proposer: Proposer | None = None,
+                tracer_provider: TracerProvider | None = None
+                ) -> tuple[DraftServer, int, DraftEngine]:
+    """Build the engine (loading the draft model, if any) and start serving it.
+
+    Returns the started servers, the gRPC port (cfg.port 0 = a free one) and the
+    engine, for in-process use; stop with ``await server.stop(grace)``, then
+    ``engine.observer.close()`` (closes /metrics). Traces go to tracer_provider,
+    by default the one the OTEL_* variables describe (none when tracing is off).
+    """
     servicer = DrafterServicer(build_engine(cfg, proposer, tracer_provider))
     address = cfg.local_address(servicer.instance_id)
     if address is not None:     # before the gRPC server: GetInfo may advertise it at once
@@ -88,7 +81,7 @@ async def _start(cfg: DraftConfig, proposer: Proposer | None,
     server, port = await start_server(
         cfg.host, cfg.port, lambda s: pb_grpc.add_DrafterServicer_to_server(servicer, s),
         [SERVICE_NAME])
-    return server, port, servicer
+    return DraftServer(server, servicer), port, servicer.engine
 
 
 def run(cfg: DraftConfig, proposer: Proposer | None = None) -> None:
@@ -96,21 +89,21 @@ def run(cfg: DraftConfig, proposer: Proposer | None = None) -> None:
 
     proposer overrides the one cfg.method names (the benchmarks' instruments)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    servicers: list[DrafterServicer] = []
+    held: list[DraftServer] = []
 
     async def start_one() -> tuple[grpc.aio.Server, int]:
-        server, port, servicer = await _start(cfg, proposer)
-        servicers.append(servicer)
-        return server, port
+        server, port, _ = await start(cfg, proposer)
+        held.append(server)
+        return server.grpc, port
 
     async def on_stop() -> None:
-        for s in servicers:
-            if s.local is not None:
-                await s.local.close()
+        for s in held:
+            if s.servicer.local is not None:
+                await s.servicer.local.close()
 
     try:
         run_server(start_one, cfg.host, on_stop)
     finally:
-        for s in servicers:
-            s.close()
-            s.engine.observer.close()
+        for s in held:
+            s.servicer.close()
+            s.servicer.engine.observer.close()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-PAD = -2
+from common.tree import PAD
 
 
 def chunk_mask(chunk_parents: torch.Tensor) -> torch.Tensor:

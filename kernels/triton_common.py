@@ -106,11 +106,6 @@ def check_unit_last(where: str, name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{where}: {name} must be contiguous in its last dim, strides {t.stride()}")
 
 
-def check_contiguous(where: str, name: str, t: torch.Tensor) -> None:
-    if not t.is_contiguous():
-        raise ValueError(f"{where}: {name} must be contiguous, strides {t.stride()}")
-
-
 def check_paged(where: str, name: str, cache: torch.Tensor, page_dim: int) -> None:
     """Pages and slots of a cache flatten into one slot index: a page's stride is
     block_size times a slot's stride, and head_dim is unit-stride."""

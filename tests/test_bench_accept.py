@@ -1,23 +1,13 @@
-"""bench/accept.py end to end on the demo's random pair (which ships a tokenizer),
-with a held-out list in TRAINING.json: every row is identical to plain greedy."""
+"""bench/accept.py end to end on the shipped tiny-code pair (its TRAINING.json names
+the held-out files): every row is identical to plain greedy."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 from bench import accept as bench_accept
-from common.demo_checkpoints import random_pair
 
 
-def test_bench_accept_rows_are_lossless(tmp_path, monkeypatch):
-    pair = random_pair(tmp_path / "cache")
-    target = tmp_path / "target"
-    shutil.copytree(pair.target, target)
-    (target / "TRAINING.json").write_text(json.dumps(
-        {"held_out_files": ["textwrap.py", "heapq.py"]}))
-    monkeypatch.setitem(bench_accept.PROPOSERS, "model", str(pair.draft))
-    rows = bench_accept.run(str(target), ["chain4", "tree-small"], ["ngram", "model"], files=2,
+def test_bench_accept_rows_are_lossless():
+    rows = bench_accept.run("tiny-code", ["chain4", "tree-small"], ["ngram", "model"], files=2,
                             prompt_tokens=48, max_tokens=16, device="cpu")
     assert len(rows) == 4 and all(r["identical"] for r in rows)
     for r in rows:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.metrics import LATENCY_BUCKETS, MetricsServer
-from verify_service.observer import StepRecord
+from verify_service.observer import EngineObserver, StepRecord
 from verify_service.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ FINISHED = {"stop": "stop", "length": "length", "cancelled": "abort"}
 _NS = 1e-9
 
 
-class VerifyMetrics:
+class VerifyMetrics(EngineObserver):
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry if registry is not None else CollectorRegistry()
         self.http: MetricsServer | None = None
@@ -122,12 +122,6 @@ class VerifyMetrics:
         self.prefill.observe((t_end - t_start) * _NS)
         self.prompt_tokens.inc(sum(len(s.req.prompt_ids) for s in seqs))
         self.generation_tokens.inc(len(seqs))
-
-    def step_started(self, seqs: list[Sequence]) -> None:
-        pass
-
-    def draft_context(self) -> dict[str, str]:
-        return {}
 
     def step_finished(self, r: StepRecord) -> None:
         if r.step_id:

@@ -26,7 +26,7 @@ Times are ``time.time_ns()`` (epoch nanoseconds, what span timestamps want).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from common import fanout
 from common.tree import TreeEnvelope
@@ -93,24 +93,8 @@ def hop_parts(t_start: int, t_drafted: int, stamps: tuple[int, int, int, int] | 
     return parts
 
 
-class EngineObserver(Protocol):
-    def submitted(self, seq: Sequence) -> None: ...
-
-    def prefilled(self, seqs: list[Sequence], t_start: int, t_end: int) -> None: ...
-
-    def step_started(self, seqs: list[Sequence]) -> None: ...
-
-    def draft_context(self) -> dict[str, str]: ...
-
-    def step_finished(self, record: StepRecord) -> None: ...
-
-    def finished(self, seq: Sequence) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class NullObserver:
-    """Observes nothing (telemetry off)."""
+class EngineObserver:
+    """The hooks; each does nothing here, so an observer overrides what it uses."""
 
     def submitted(self, seq: Sequence) -> None:
         pass
@@ -132,6 +116,10 @@ class NullObserver:
 
     def close(self) -> None:
         pass
+
+
+class NullObserver(EngineObserver):
+    """Observes nothing (telemetry off)."""
 
 
 def combine(observers: list[EngineObserver]) -> EngineObserver:

@@ -31,11 +31,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Link, Span, SpanKind
 
 from common.telemetry import inject, tracer_of
-from verify_service.observer import StepRecord
+from verify_service.observer import EngineObserver, StepRecord
 from verify_service.sequence import Sequence
 
 
-class VerifyTracer:
+class VerifyTracer(EngineObserver):
     def __init__(self, provider: TracerProvider) -> None:
         self._provider = provider
         self._tracer = tracer_of(provider)
