@@ -81,7 +81,7 @@ def tree_profile(ver: Verifier, pages: list[SeqPages], roots: list[int], ctx: in
         for _ in range(3):                      # capture and warm
             ver.step(pages, roots, TreeBatch(tok, par) if n else None, depth)
             pages[0].kv_len = ctx
-        graph = [v for k, v in ver.graphs.items() if k[0][0] == n][0]
+        graph = [v for k, v in ver.buckets.graphs.items() if k[0][0] == n][0]
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 ver.step(pages, roots, TreeBatch(tok, par) if n else None, depth)
@@ -146,7 +146,7 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
                 pages[0].kv_len = a.ctx         # back to the prompt: same context every step
             row[f"wall_ms_{n}"] = 1000 * sorted(times[5:])[len(times[5:]) // 2]
-            g = [v for k, v in ver.graphs.items() if k[0][0] == (0 if tok is None else 4)][0]
+            g = [v for k, v in ver.buckets.graphs.items() if k[0][0] == (0 if tok is None else 4)][0]
             row[f"replay_ms_{n}"] = replay_ms(g.graph)
         res["variants"][label] = row
         print(label, row, flush=True)

@@ -246,7 +246,3 @@ class KVDrafter:
             for sid in ids:
                 self.release(sid)
         return time.perf_counter() - t0
-
-    def update(self, seq_id: int, tokens: list[int], new_count: int,
-               accepted_nodes: list[int], hidden: torch.Tensor | None) -> None:
-        raise NotImplementedError

@@ -73,7 +73,7 @@ def test_batched_fixed_step_equals_each_sequence_alone(target_dir):
 
     v, together = run([0, 1, 2])
     # batch 3 ran in bucket 4; buckets 1 and 2 were made at the same shapes
-    assert {(k[1], k[0][0]) for k in v.graphs} == {(b, n) for b in (1, 2, 4) for n in (0, 6)}
+    assert {(k[1], k[0][0]) for k in v.buckets.graphs} == {(b, n) for b in (1, 2, 4) for n in (0, 6)}
     alone = [run([r])[1] for r in range(3)]
     assert together == tuple([x for a in alone for x in a[i]] for i in range(4))
     assert any(together[0])

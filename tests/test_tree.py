@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.tree import PRESETS, TreeEnvelope, envelope_from, node_depths, validate_tree, \
+from common.tree import PAD, PRESETS, TreeEnvelope, envelope_from, node_depths, validate_tree, \
     verify_chunk_layout
 from kernels.reference import chunk_mask
 
@@ -55,10 +55,29 @@ def test_validate_tree_reports_what_is_wrong():
     assert "[B, 3]" in validate_tree(tok, ok, 3, 10)
 
 
+def reference_verdict(parents: list[list[int]], tokens: list[list[int]], vocab: int) -> str | None:
+    """validate_tree's verdict, node by node in plain Python (the test's oracle)."""
+    flaws = [False, False, False]      # a bad parent index, a node under padding, a bad token
+    for prow, trow in zip(parents, tokens):
+        for i, (q, x) in enumerate(zip(prow, trow)):
+            if q == PAD:
+                continue
+            if not -1 <= q < i:
+                flaws[0] = True
+            elif q >= 0 and prow[q] == PAD:
+                flaws[1] = True
+            if not 0 <= x < vocab:
+                flaws[2] = True
+    messages = ("a parent index must be -2, -1 or an earlier node",
+                "a node hangs off a padding node",
+                f"a draft token is outside the vocabulary [0, {vocab})")
+    return next((m for f, m in zip(flaws, messages) if f), None)
+
+
 @pytest.mark.parametrize("batch", [1, 8])
-def test_small_and_large_tree_checks_agree(batch, monkeypatch):
-    """validate_tree checks small batches in Python and large ones with numpy: the
-    two must return the same verdict and message on every tree, good or broken."""
+def test_tree_check_agrees_with_a_node_by_node_check(batch):
+    """validate_tree (numpy, one test on the good path) returns the verdict and
+    message a node-by-node check does, on every tree, good or broken."""
     import common.tree as tree
     g = torch.Generator().manual_seed(batch)
     n, vocab = 8, 50
@@ -82,9 +101,7 @@ def test_small_and_large_tree_checks_agree(batch, monkeypatch):
                 parents[r, c:] = tree.PAD          # a padded tail: fine
             else:
                 parents[r, c] = tree.PAD           # its children now hang off padding
-        monkeypatch.setattr(tree, "SMALL_TREE_NODES", 10**9)
-        small = tree.validate_tree(tokens, parents, n, vocab)
-        monkeypatch.setattr(tree, "SMALL_TREE_NODES", -1)
+        small = reference_verdict(parents.tolist(), tokens.tolist(), vocab)
         large = tree.validate_tree(tokens, parents, n, vocab)
         assert small == large, (parents.tolist(), tokens.tolist())
         seen.add(small)

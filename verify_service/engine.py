@@ -127,7 +127,9 @@ class VerifyEngine:
                 await self._wake.wait()
                 continue
             try:
-                self._follow_link()
+                if self.link is not None and self.link.info is not None:
+                    # capture what the drafter reads, from before any prefill it needs
+                    self.verifier.capture_layers = self.link.info.target_hidden_layers
                 await self._admit()
                 if self.running:
                     await self._step()
@@ -189,12 +191,6 @@ class VerifyEngine:
         for seq in batch:
             if seq.finish is not None:
                 self.observer.finished(seq)
-
-    def _follow_link(self) -> None:
-        """Capture the target layers the connected drafter reads (from before any
-        prefill it will need them from)."""
-        if self.link is not None and self.link.info is not None:
-            self.verifier.capture_layers = self.link.info.target_hidden_layers
 
     async def _draft(self, seqs: list[Sequence]) -> tuple[Drafted, list[int]]:
         """The step's trees for the sequences that speculate (their rows in seqs), or

@@ -63,11 +63,6 @@ class Verifier:
         self._host: dict[torch.Size, torch.Tensor] = {}     # pinned readback buffers
         self._done: torch.cuda.Event | None = None          # readback finished
 
-    @property
-    def graphs(self) -> dict:
-        """Step graphs by ((nodes, capture layers), batch bucket, page bucket)."""
-        return self.buckets.graphs
-
     @torch.inference_mode()
     def prefill(self, pages: list[SeqPages], prompts: list[list[int]]
                 ) -> tuple[list[int], list[torch.Tensor] | None]:
