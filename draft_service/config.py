@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from common import frames
 from common.service_config import ServiceConfig
 from common.tree import TreeEnvelope
+from draft_service.registry import PROPOSERS
 
 @dataclass(frozen=True, kw_only=True)
 class DraftConfig(ServiceConfig):
@@ -34,7 +35,6 @@ class DraftConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from draft_service.registry import PROPOSERS     # they take this config
         if self.method not in PROPOSERS:
             raise ValueError(f"unknown draft method {self.method!r}; expected one of "
                              f"{tuple(PROPOSERS)}")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,12 +45,14 @@ from common.forward_batch import build_forward_batch, chain_chunk
 from common.model_paths import resolve_model
 from common.row_buffer import RowBuffer
 from common.tree import TreeEnvelope
-from draft_service.config import DraftConfig
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.eagle3_step import eagle3_step
 from draft_service.kv_drafter import DraftSeq, KVDrafter
 from draft_service.model_step import level_depths
 from kernels.dispatch import select
+
+if TYPE_CHECKING:
+    from draft_service.config import DraftConfig
 
 
 @dataclass

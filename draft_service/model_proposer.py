@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,10 +29,12 @@ from common.forward_batch import build_forward_batch, chain_chunk
 from common.model_paths import resolve_model
 from common.qwen3 import Qwen3Model
 from common.tree import ROOT, TreeEnvelope
-from draft_service.config import DraftConfig
 from draft_service.kv_drafter import DraftSeq, KVDrafter
 from draft_service.model_step import catch_up_and_expand, level_depths
 from kernels.dispatch import select
+
+if TYPE_CHECKING:
+    from draft_service.config import DraftConfig
 
 
 @dataclass

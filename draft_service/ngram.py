@@ -21,12 +21,15 @@ that share its prefix may still extend it).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.tree import PAD, ROOT, TreeBatch, TreeEnvelope
-from draft_service.config import DraftConfig
 from draft_service.ngram_index import NgramIndex
+
+if TYPE_CHECKING:
+    from draft_service.config import DraftConfig
 
 
 def merge_paths(paths: Iterable[list[int]], env: TreeEnvelope) -> tuple[list[int], list[int]]:

@@ -27,12 +27,14 @@ draft_service/registry.py.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from common.tree import TreeBatch
-from draft_service.config import DraftConfig
+
+if TYPE_CHECKING:
+    from draft_service.config import DraftConfig
 
 
 class Proposer(Protocol):

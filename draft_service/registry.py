@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from draft_service.config import DraftConfig
+from typing import TYPE_CHECKING
+
 from draft_service.eagle3_proposer import Eagle3Proposer
 from draft_service.model_proposer import ModelProposer
 from draft_service.ngram import NgramProposer
 from draft_service.proposer import Proposer
+
+if TYPE_CHECKING:
+    from draft_service.config import DraftConfig
 
 PROPOSERS: dict[str, type[Proposer]] = {
     "ngram": NgramProposer,

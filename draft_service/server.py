@@ -28,13 +28,13 @@ if TYPE_CHECKING:
 class DraftServer:
     """The draft's gRPC server and its local-socket server (when on); stop() stops both."""
 
-    def __init__(self, server: grpc.aio.Server, servicer: DrafterServicer) -> None:
-        self.grpc = server
-        self.servicer = servicer
+    def __init__(self, server: grpc.aio.Server, servicer: DrafterServicer,
+                 local: LocalServer | None) -> None:
+        self.grpc, self.servicer, self.local = server, servicer, local
 
     async def stop(self, grace: float | None) -> None:
-        if self.servicer.local is not None:
-            await self.servicer.local.close()
+        if self.local is not None:
+            await self.local.close()
         await self.grpc.stop(grace)
 
 
@@ -70,18 +70,20 @@ async def start(cfg: DraftConfig, proposer: Proposer | None = None,
     """
     servicer = DrafterServicer(build_engine(cfg, proposer, tracer_provider))
     address = cfg.local_address(servicer.instance_id)
+    local = None
     if address is not None:     # before the gRPC server: GetInfo may advertise it at once
         local = LocalServer(servicer, address)
         try:
             await local.start()
         except OSError as e:
             log.warning("no local socket at %s (%s): steps travel by gRPC only", address, e)
+            local = None
         else:
-            servicer.local = local
+            servicer.local_socket = address
     server, port = await start_server(
         cfg.host, cfg.port, lambda s: pb_grpc.add_DrafterServicer_to_server(servicer, s),
         [SERVICE_NAME])
-    return DraftServer(server, servicer), port, servicer.engine
+    return DraftServer(server, servicer, local), port, servicer.engine
 
 
 def run(cfg: DraftConfig, proposer: Proposer | None = None) -> None:
@@ -98,8 +100,8 @@ def run(cfg: DraftConfig, proposer: Proposer | None = None) -> None:
 
     async def on_stop() -> None:
         for s in held:
-            if s.servicer.local is not None:
-                await s.servicer.local.close()
+            if s.local is not None:
+                await s.local.close()
 
     try:
         run_server(start_one, cfg.host, on_stop)

@@ -21,8 +21,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
-
 import grpc
 
 from common import frames, wire
@@ -30,9 +28,6 @@ from common.errors import InvalidRequest
 from draft_service.engine import DraftEngine
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:
-    from draft_service.local_server import LocalServer
 
 
 class StepOrder:
@@ -54,14 +49,14 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self._inline = bool(getattr(engine.proposer, "light", False))
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
         self.instance_id = frames.new_instance_id()
-        self.local: LocalServer | None = None    # set by the server when it serves one
+        self.local_socket: str | None = None     # its address, when the server serves one
 
     async def GetInfo(self, request: pb.DrafterInfoRequest,
                       context: grpc.aio.ServicerContext) -> pb.DrafterInfo:
         info = wire.drafter_info_to_pb(self.engine.info)
         info.instance_id = self.instance_id
-        if self.local is not None:
-            info.local_socket = self.local.address
+        if self.local_socket is not None:
+            info.local_socket = self.local_socket
         return info
 
     async def Speculate(self, request_iterator: AsyncIterator[pb.SpeculateRequest],
