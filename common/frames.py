@@ -32,7 +32,7 @@ from typing import Generic, Protocol, TypeVar
 HELLO, MESSAGE, ERROR = 1, 2, 3
 KINDS = (HELLO, MESSAGE, ERROR)
 _HEADER = struct.Struct("<IB")
-MAX_FRAME_BYTES = 64 * 1024 * 1024      # as the gRPC servers' message limit
+MAX_FRAME_BYTES = 64 * 1024 * 1024      # as common.grpc_server.MAX_MESSAGE_BYTES
 
 
 class FrameError(Exception):

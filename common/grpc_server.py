@@ -35,8 +35,8 @@ from common.errors import InvalidRequest, Unavailable
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-SERVER_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024      # servers and the draft link's channel
+MESSAGE_LIMITS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 _health_of: weakref.WeakKeyDictionary[grpc.aio.Server, health.aio.HealthServicer] = \
@@ -125,7 +125,7 @@ async def start_server(host: str, port: int, add_servicers: Callable[[grpc.aio.S
     interceptors (e.g. tracing) run outside the error mapping, first one outermost.
     """
     server = grpc.aio.server(interceptors=[*(interceptors or ()), ErrorMappingInterceptor()],
-                             options=SERVER_OPTIONS)
+                             options=MESSAGE_LIMITS)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

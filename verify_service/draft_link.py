@@ -23,6 +23,7 @@ import grpc
 
 from common import codec, frames, wire
 from common.aio import cancel_and_wait, spin_until
+from common.grpc_server import MESSAGE_LIMITS
 from common.spec_types import DrafterInfo
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
@@ -33,7 +34,6 @@ from verify_service.sequence import Sequence
 log = logging.getLogger("treespec.verify.draft_link")
 
 _EXPIRED, _DROPPED = object(), object()     # why a step's wait ended without an answer
-MAX_MESSAGE_BYTES = 64 << 20
 
 
 def _settle(fut: asyncio.Future, value: object) -> None:
@@ -105,9 +105,7 @@ class DraftLink:
             await asyncio.sleep(self.reconnect_s)
 
     async def _connect_once(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self.addr, options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        self._channel = grpc.aio.insecure_channel(self.addr, options=MESSAGE_LIMITS)
         stub = pb_grpc.DrafterStub(self._channel)
         info_pb = await stub.GetInfo(pb.DrafterInfoRequest(), timeout=10)
         info = wire.drafter_info_from_pb(info_pb)

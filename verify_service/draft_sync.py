@@ -11,6 +11,12 @@ released since the last request.
 Example: step 5 sends seq 3 in full, [1, 2, 3]; the target accepts node 0 of its
 tree and adds a bonus, committing [1, 2, 3, 8, 9]; step 6 sends seq 3 new_tokens
 [8, 9], committed_len 5, accepted_nodes [0] of step 5.
+
+Target hidden states, for a drafter that reads them (EAGLE-3), travel once per
+committed token: an update's row i is the state at the token *before*
+new_tokens[i] (the state that predicted it; a full update's row 0 has none and is
+zeros), taken from the sequence's captured states on the device; all rows of a step
+leave the GPU together, one copy through a pinned buffer.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from common.codec import Staging
 from common.spec_types import SeqUpdate, SpecRequest
-from verify_service.hidden_states import to_host, update_rows
 
 if TYPE_CHECKING:
     from verify_service.sequence import Sequence
@@ -82,3 +89,28 @@ class DraftSync:
         for i in seq_ids:
             if self._cursors.pop(i, None) is not None:
                 self._released.append(i)
+
+
+def update_rows(seq: Sequence, sent: int) -> torch.Tensor:
+    """[len(seq.tokens) - sent, C] device rows for an update that brings a draft
+    holding ``sent`` of the sequence's tokens up to all of them."""
+    n = len(seq.tokens)
+    hidden = seq.hidden.rows
+    if sent == 0:
+        return torch.cat([torch.zeros_like(hidden[:1]), hidden[:n - 1]])
+    return hidden[sent - 1:n - 1]
+
+
+def to_host(parts: list[torch.Tensor | None], staging: Staging) -> list[torch.Tensor | None]:
+    """The same tensors on the host through one device-to-host copy (valid until
+    staging's next copy)."""
+    live = [p for p in parts if p is not None]
+    if not live:
+        return parts
+    host = staging.host_copy(torch.cat(live))
+    out: list[torch.Tensor | None] = []
+    at = 0
+    for p in parts:
+        out.append(None if p is None else host[at:at + p.shape[0]])
+        at += 0 if p is None else p.shape[0]
+    return out
