@@ -15,7 +15,7 @@ class DraftConfig(ServiceConfig):
     envelope: TreeEnvelope
     model: str | None = None          # checkpoint dir (or shipped name) for model/eagle3
     target_embeddings: str | None = None  # eagle3 without embed_tokens: target ckpt / safetensors
-    num_blocks: int = 2048            # draft KV pages
+    num_blocks: int = 4096            # draft KV pages: as many as the verify's default
     ngram_max: int = 4                # longest suffix the n-gram proposer matches
     ngram_min: int = 1
     max_sequences: int = 256          # sequences whose state the draft keeps

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
@@ -53,7 +54,10 @@ class RecordingDrafter(pb_grpc.DrafterServicer):
                               parents=codec.encode(parents))
 
 
-def test_hidden_states_of_committed_tokens_travel_once(target_dir):
+@pytest.mark.parametrize("rows_a_step", [None, 5])
+def test_hidden_states_of_committed_tokens_travel_once(target_dir, rows_a_step):
+    """rows_a_step: cap the hidden states a request carries (DraftSync's byte budget),
+    so the prompt's cross over several steps, which run plain meanwhile."""
     from inproc import greedy_reference
     prompt = [1, 5, 9, 13, 2, 7, 1, 5]
     ref = greedy_reference(target_dir, prompt, 20)
@@ -72,16 +76,22 @@ def test_hidden_states_of_committed_tokens_travel_once(target_dir):
             if engine.link.ready:
                 break
             await asyncio.sleep(0.02)
+        if rows_a_step:
+            engine.link.sync.max_hidden_bytes = rows_a_step * len(LAYERS) * 64 * 4
         async with AsyncTreespecClient(f"127.0.0.1:{vport}") as c:
             out = await c.generate(prompt_ids=prompt, max_tokens=20, ignore_eos=True)
+        fallbacks = dict(engine.fallbacks)
         await vs.stop(0.2)
         await engine.stop()
         await engine.link.close()
         await server.stop(0.2)
-        return out
-    out = asyncio.run(go())
+        return out, fallbacks
+    out, fallbacks = asyncio.run(go())
     assert out.token_ids == ref
     assert out.stats["accepted_tokens"] > 0
+    # 9 rows after the prefill (8 prompt tokens and the first) at 5 a step: one plain
+    # step while they cross; after it a step brings at most depth + 1 = 5 rows
+    assert fallbacks == ({"syncing": 1} if rows_a_step else {})
     (sid, toks), = rec.tokens.items()
     rows = torch.cat(rec.rows[sid])                            # [len(toks), 2 * hidden]
     assert rows.shape[0] == len(toks) and toks == (prompt + ref)[:len(toks)]

@@ -25,6 +25,7 @@ from common import codec, frames, wire
 from common.aio import cancel_and_wait, spin_until
 from common.grpc_server import MESSAGE_LIMITS
 from common.spec_types import DrafterInfo
+from common.tree import TreeBatch
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 from verify_service.draft_sync import DraftSync
@@ -155,13 +156,14 @@ class DraftLink:
             return Drafted(None, "disconnected")
         if self._outstanding is not None:
             return Drafted(None, "busy")     # the draft is still on a step that timed out
-        req = self.sync.request(seqs, bool(self._info.target_hidden_layers), trace)
+        out = self.sync.request(seqs, bool(self._info.target_hidden_layers), trace)
+        step = out.request.step_id
         loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
-        self._outstanding = req.step_id
+        self._outstanding = step
         timer = loop.call_later(self.deadline_s, _settle, waiter, _EXPIRED)
         try:
-            msg_out = wire.spec_request_to_pb(req)
+            msg_out = wire.spec_request_to_pb(out.request)
             t_sent = time.time_ns()
             await self._call.write(msg_out)
             if self.busy_poll:
@@ -173,21 +175,25 @@ class DraftLink:
         finally:
             timer.cancel()
             self._waiter = None
-            self.sync.sent(seqs)
+            self.sync.sent(seqs, out)
         if msg is _EXPIRED or msg is _DROPPED:
             if msg is _DROPPED:
                 self._outstanding = None
-            return Drafted(None, "deadline" if msg is _EXPIRED else "disconnected",
-                           req.step_id)
+            return Drafted(None, "deadline" if msg is _EXPIRED else "disconnected", step)
         self._outstanding = None
         stamps = (t_sent, self._t_answer, msg.received_unix_ns, msg.sent_unix_ns)
         try:
             resp = wire.response_from_pb(msg)
         except codec.CodecError as e:
             log.warning("draft sent an undecodable proposal: %s", e)
-            return Drafted(None, "invalid_proposal", req.step_id, stamps)
-        if resp.seq_ids != [s.seq_id for s in seqs]:
+            return Drafted(None, "invalid_proposal", step, stamps)
+        if resp.seq_ids != [seqs[i].seq_id for i in out.rows]:
             log.warning("dropping a proposal whose rows are not the request's sequences")
-            return Drafted(None, "invalid_proposal", req.step_id, stamps)
+            return Drafted(None, "invalid_proposal", step, stamps)
         self.sync.resync(resp.resync)
-        return Drafted(resp.trees, None, req.step_id, stamps)
+        trees, syncing = resp.trees, set(out.syncing)
+        keep = [j for j, i in enumerate(out.rows) if i not in syncing]
+        if syncing:
+            trees = TreeBatch(trees.tokens[keep], trees.parents[keep])
+        return Drafted(trees.scatter([out.rows[j] for j in keep], len(seqs)), None, step,
+                       stamps, out.syncing)

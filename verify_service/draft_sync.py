@@ -33,16 +33,34 @@ if TYPE_CHECKING:
     from verify_service.sequence import Sequence
 
 
+# target hidden states one request carries at most: a new sequence's prompt (24 KB a
+# token at the Qwen3-8B EAGLE-3 shape) is sent over as many steps as it takes, so no
+# message nears the 64 MB limit and no step pays for a whole batch of prompts
+MAX_HIDDEN_BYTES = 32 << 20
+
+
 @dataclass
 class _Cursor:
     sent: int            # committed tokens the draft holds
     tree_step: int       # the step whose tree the sequence got last
 
 
+@dataclass
+class Outgoing:
+    """A step's request, and how it covers the sequences it was made for."""
+
+    request: SpecRequest
+    rows: list[int]                 # the sequences (indices) in it, in its order
+    syncing: list[int]              # those whose hidden states are not all sent yet:
+                                    # the draft's tree for them is for a prefix, unused
+    ends: list[int]                 # per row: committed tokens the draft holds after it
+
+
 class DraftSync:
-    def __init__(self) -> None:
+    def __init__(self, max_hidden_bytes: int = MAX_HIDDEN_BYTES) -> None:
         self.epoch = 0                      # draft connections so far
         self.step_id = 0                    # the last request's step id
+        self.max_hidden_bytes = max_hidden_bytes
         self._cursors: dict[int, _Cursor] = {}
         self._released: list[int] = []
         self._staging = Staging()
@@ -53,31 +71,43 @@ class DraftSync:
         self._cursors.clear()
         self._released = []
 
-    def request(self, seqs: list[Sequence], hidden: bool, trace: dict[str, str]
-                ) -> SpecRequest:
-        """The next step's request for seqs; hidden: send target hidden states."""
+    def request(self, seqs: list[Sequence], hidden: bool, trace: dict[str, str]) -> Outgoing:
+        """The next step's request for seqs; hidden: send target hidden states, at most
+        max_hidden_bytes of them (the rest of a sequence's follow in later steps)."""
         self.step_id += 1
-        updates = []
-        for s in seqs:
+        budget = self.max_hidden_bytes
+        out = Outgoing(SpecRequest(self.step_id, [], self._released, trace_context=trace),
+                       [], [], [])
+        parts: list[torch.Tensor] = []
+        for i, s in enumerate(seqs):
             c = self._cursors.get(s.seq_id)
-            sent = c.sent if c is not None else 0
-            updates.append(SeqUpdate(
-                seq_id=s.seq_id, committed_len=len(s.tokens), new_tokens=s.tokens[sent:],
+            sent, end = (c.sent if c is not None else 0), len(s.tokens)
+            if hidden and s.hidden is not None:
+                row = s.hidden.rows[0]
+                end = min(end, sent + budget // (row.numel() * row.element_size()))
+                if end == sent:
+                    out.syncing.append(i)           # nothing of it fits this step
+                    continue
+                if end < len(s.tokens):
+                    out.syncing.append(i)
+                parts.append(update_rows(s, sent, end))
+                budget -= parts[-1].numel() * row.element_size()
+            out.rows.append(i)
+            out.ends.append(end)
+            out.request.seqs.append(SeqUpdate(
+                seq_id=s.seq_id, committed_len=end, new_tokens=s.tokens[sent:end],
                 full=sent == 0, accepted_nodes=s.accepted_path if c is not None else [],
                 accepted_step_id=c.tree_step if c is not None else 0))
-        if hidden:
-            rows = to_host([update_rows(s, len(s.tokens) - len(u.new_tokens))
-                            if s.hidden is not None else None
-                            for s, u in zip(seqs, updates)], self._staging)
-            for u, r in zip(updates, rows):
+        if parts:
+            for u, r in zip(out.request.seqs, to_host(parts, self._staging)):
                 u.hidden = r
-        return SpecRequest(self.step_id, updates, self._released, trace_context=trace)
+        return out
 
-    def sent(self, seqs: list[Sequence]) -> None:
-        """The last request left (the draft may have applied it, answer or not)."""
+    def sent(self, seqs: list[Sequence], out: Outgoing) -> None:
+        """out left (the draft may have applied it, answer or not)."""
         self._released = []
-        for s in seqs:
-            self._cursors[s.seq_id] = _Cursor(len(s.tokens), self.step_id)
+        for i, end in zip(out.rows, out.ends):
+            self._cursors[seqs[i].seq_id] = _Cursor(end, self.step_id)
 
     def resync(self, seq_ids: list[int]) -> None:
         """The draft lost these: their next update is full."""
@@ -91,26 +121,20 @@ class DraftSync:
                 self._released.append(i)
 
 
-def update_rows(seq: Sequence, sent: int) -> torch.Tensor:
-    """[len(seq.tokens) - sent, C] device rows for an update that brings a draft
-    holding ``sent`` of the sequence's tokens up to all of them."""
-    n = len(seq.tokens)
+def update_rows(seq: Sequence, sent: int, end: int) -> torch.Tensor:
+    """[end - sent, C] device rows for an update that brings a draft holding ``sent``
+    of the sequence's tokens up to ``end`` of them."""
     hidden = seq.hidden.rows
     if sent == 0:
-        return torch.cat([torch.zeros_like(hidden[:1]), hidden[:n - 1]])
-    return hidden[sent - 1:n - 1]
+        return torch.cat([torch.zeros_like(hidden[:1]), hidden[:end - 1]])
+    return hidden[sent - 1:end - 1]
 
 
-def to_host(parts: list[torch.Tensor | None], staging: Staging) -> list[torch.Tensor | None]:
+def to_host(parts: list[torch.Tensor], staging: Staging) -> list[torch.Tensor]:
     """The same tensors on the host through one device-to-host copy (valid until
     staging's next copy)."""
-    live = [p for p in parts if p is not None]
-    if not live:
-        return parts
-    host = staging.host_copy(torch.cat(live))
-    out: list[torch.Tensor | None] = []
-    at = 0
+    host = staging.host_copy(torch.cat(parts))
+    offsets = [0]
     for p in parts:
-        out.append(None if p is None else host[at:at + p.shape[0]])
-        at += 0 if p is None else p.shape[0]
-    return out
+        offsets.append(offsets[-1] + p.shape[0])
+    return [host[a:b] for a, b in zip(offsets, offsets[1:])]

@@ -10,7 +10,7 @@ broken draft costs a step's speculation, never a token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from common.spec_types import DrafterInfo
@@ -19,7 +19,9 @@ from common.tree import TreeBatch
 if TYPE_CHECKING:
     from verify_service.sequence import Sequence
 
-# why a speculating step ran as plain decode ("empty_tree": a tree came, all padding)
+# why a speculating step ran as plain decode; per sequence also "empty_tree" (a tree came,
+# all padding), "syncing" (the draft was still being sent its hidden states) and
+# "no_hidden_states" (admitted before a drafter that reads them connected)
 Fallback = Literal["no_draft", "disconnected", "busy", "deadline", "invalid_proposal"]
 
 
@@ -33,6 +35,8 @@ class Drafted:
     # the hop's time stamps (ns): request handed over, answer read, and the draft's
     # own read and send (0 when it does not stamp); see observer.hop_parts
     stamps: tuple[int, int, int, int] | None = None
+    # sequences (indices) still being synced with the draft: their rows are padding
+    syncing: list[int] = field(default_factory=list)
 
 
 class Drafter(Protocol):

@@ -53,6 +53,7 @@ class VerifyEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.fallbacks: Counter[str] = Counter()
+        self.limits: Counter[str] = Counter()     # times a request waited, by limiting flag
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -166,12 +167,17 @@ class VerifyEngine:
     async def _admit(self) -> None:
         batch: list[Sequence] = []
         budget = self.prefill_tokens
-        while self.waiting and len(self.running) + len(batch) < self.max_batch:
+        while self.waiting:
+            if len(self.running) + len(batch) >= self.max_batch:
+                self._limited("--max-batch", f"{self.max_batch} sequences already run")
+                break
             seq = self.waiting[0]
             need = self._pages_for(seq.req)
             if batch and len(seq.tokens) > budget:
                 break
             if need > self.cache.blocks.num_free:
+                self._limited("--num-blocks", f"{self.cache.blocks.num_free} of "
+                              f"{self.cache.blocks.num_blocks} KV pages are free")
                 break
             self.waiting.popleft()
             self.cache.reserve(seq.pages, need * self.cache.block_size)
@@ -191,6 +197,13 @@ class VerifyEngine:
         for seq in batch:
             if seq.finish is not None:
                 self.observer.finished(seq)
+
+    def _limited(self, flag: str, why: str) -> None:
+        """A request waits for a configured limit: say so (the first time, then rarely)."""
+        self.limits[flag] += 1
+        if self.limits[flag] in (1, 1000) or self.limits[flag] % 100000 == 0:
+            log.warning("a request waits: %s (%d times so far); %s raises the limit", why,
+                        self.limits[flag], flag)
 
     async def _draft(self, seqs: list[Sequence]) -> tuple[Drafted, list[int]]:
         """The step's trees for the sequences that speculate (their rows in seqs), or
@@ -227,15 +240,21 @@ class VerifyEngine:
         res = await self.runner.step([s.pages for s in seqs], [s.tokens[-1] for s in seqs],
                                      trees, depth)
         t2 = time.time_ns()
-        done = self._commit(seqs, trees, res, drafted.fallback)
+        asked = {seqs[i].seq_id for i in rows}
+        syncing = {seqs[rows[j]].seq_id for j in drafted.syncing}
+        why = {s.seq_id: "no_hidden_states" if s.seq_id not in asked else "syncing"
+               if s.seq_id in syncing else drafted.fallback or "empty_tree"
+               for s in seqs if s.speculative}
+        done = self._commit(seqs, trees, res, why)
         if isinstance(self.observer, NullObserver):
             return                       # telemetry off: not even a record is built
-        self._observe_step(drafted, len(seqs), done, trees is not None, t0, t1, t2)
+        self._observe_step(drafted, len(seqs), done, why, trees is not None, t0, t1, t2)
 
     def _commit(self, seqs: list[Sequence], trees: TreeBatch | None, res: StepResult,
-                reason: str | None) -> list[tuple[Sequence, int, int, int, int]]:
+                why: dict[int, str]) -> list[tuple[Sequence, int, int, int, int]]:
         """Commit each sequence's accepted path and bonus token and stream them;
-        returns (seq, drafted, depth, accepted, committed) per sequence still running."""
+        returns (seq, drafted, depth, accepted, committed) per sequence still running.
+        why: the reason a speculating sequence ran as plain decode, if it did."""
         done: list[tuple[Sequence, int, int, int, int]] = []
         tok_l = trees.tokens.tolist() if trees is not None else None
         offered_l = trees.num_valid() if trees is not None else [0] * len(seqs)
@@ -249,11 +268,11 @@ class VerifyEngine:
             s.stats.accepted_tokens += min(len(path), len(kept))
             if s.speculative and offered == 0:
                 s.stats.fallback_steps += 1
-                why = reason or "empty_tree"
-                self.fallbacks[why] += 1
-                if self.fallbacks[why] in (1, 10, 100) or self.fallbacks[why] % 10000 == 0:
+                self.fallbacks[why[s.seq_id]] += 1
+                n = self.fallbacks[why[s.seq_id]]
+                if n in (1, 10, 100) or n % 10000 == 0:
                     log.warning("plain decode instead of speculation (%s): %d sequence "
-                                "steps so far", why, self.fallbacks[why])
+                                "steps so far", why[s.seq_id], n)
             s.accepted_path = path
             done.append((s, offered, len(path), min(len(path), len(kept)), len(kept)))
             if res.hidden is not None and s.hidden is not None:
@@ -264,19 +283,18 @@ class VerifyEngine:
         return done
 
     def _observe_step(self, drafted: Drafted, batch: int,
-                      done: list[tuple[Sequence, int, int, int, int]], speculated: bool,
-                      t0: int, t1: int, t2: int) -> None:
+                      done: list[tuple[Sequence, int, int, int, int]], why: dict[int, str],
+                      speculated: bool, t0: int, t1: int, t2: int) -> None:
         """Tell the observer what the step did; done: _commit's rows."""
         seqs = [r[0] for r in done]
-        reason = drafted.fallback
         self.observer.step_finished(StepRecord(
             step_id=drafted.step_id, batch=batch,
             seq_ids=[s.seq_id for s in seqs], request_ids=[s.req.request_id for s in seqs],
             drafted=[r[1] for r in done], depth=[r[2] for r in done],
             accepted=[r[3] for r in done], committed=[r[4] for r in done],
-            fallback=[(reason or "empty_tree") if s.speculative and d == 0 else None
+            fallback=[why[s.seq_id] if s.speculative and d == 0 else None
                       for s, d, *_ in done],
-            reason=reason, envelope=self.link.info.envelope if speculated else None,
+            reason=drafted.fallback, envelope=self.link.info.envelope if speculated else None,
             t_start=t0, t_drafted=t1, t_verified=t2, t_end=time.time_ns(),
             hop_parts=hop_parts(t0, t1, drafted.stamps) if drafted.step_id else {}))
         for s in seqs:
