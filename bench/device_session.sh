@@ -44,6 +44,9 @@ run)
                   >>"$log" 2>&1 ;;
         bench) timeout "${BENCH_S:-300}" python3 bench/h200.py --out "$OUT/h200.json" \
                    --work /tmp/bw ${BENCH_ARGS:-} >>"$log" 2>&1 ;;
+        drafters) timeout "${DRAFTERS_S:-560}" python3 bench/drafters.py \
+                      --out "$OUT/drafters.json" --work /tmp/bw-drafters ${DRAFTERS_ARGS:-} \
+                      >>"$log" 2>&1 ;;
         profile) timeout "${PROFILE_S:-120}" python3 bench/profile_step.py --out "$OUT" \
                      >>"$log" 2>&1 ;;
         attention) timeout "${ATTN_S:-150}" python3 bench/attention_probe.py \

@@ -1,12 +1,21 @@
-"""A benchmark INSTRUMENT, not a proposer for users: it proposes the target's own
-greedy continuation (recorded beforehand through the verify service with
-speculation off), corrupted so that the mean tokens per step is set by the
-experiment rather than by a draft model's quality: each drafted token with
-probability ``--corrupt``, or, with ``--accept K``, exactly the tokens after the
-first K of each chain (every step then commits K + 1 tokens, but near a
-sequence's end). Chains only. Run as its own draft service:
+"""Benchmark INSTRUMENTS, not proposers for users: the replay instrument and the
+shadow replay.
 
-    python bench/replay.py --continuations FILE (--corrupt 0.15 | --accept 3) --port 0 [--depth 4]
+The replay instrument proposes the target's own greedy continuation (recorded
+beforehand through the verify service), corrupted so that the mean tokens per step
+is set by the experiment rather than by a draft model's quality: each drafted token
+with probability ``--corrupt``, or, with ``--accept K``, exactly the tokens after the
+first K of each chain (every step then commits K + 1 tokens, but near a sequence's
+end). It has no draft compute. Chains only.
+
+The shadow replay (``--shadow METHOD``) runs a real proposer's whole step (catch-up,
+expansion, everything it costs) and then replaces its tree with the replay's chain
+(padded to the proposer's envelope): end to end it measures what that drafter costs
+at a set tokens per step. Run either as its own draft service:
+
+    python bench/replay.py --continuations FILE (--corrupt 0.15 | --accept 3) --port 0
+        [--depth 4 | --shadow model|eagle3 --model DIR [--envelope NAME]
+         [--target-embeddings DIR] [--device D]]
 
 FILE is JSON: a list of {"prompt": [ids], "continuation": [ids]}.
 """
@@ -85,6 +94,33 @@ class ReplayProposer:
                          torch.tensor(parents, dtype=torch.int32).view(shape))
 
 
+class ShadowReplay:
+    """A real proposer's full step, its tree then replaced by the replay's chain."""
+
+    def __init__(self, inner, replay: ReplayProposer, num_nodes: int) -> None:
+        self.inner, self.replay, self.num_nodes = inner, replay, num_nodes
+        self.name = f"shadow-replay-instrument:{inner.name}"
+        self.model, self.light = inner.model, inner.light
+        self.vocab_size = inner.vocab_size
+        self.target_hidden_layers = inner.target_hidden_layers
+
+    def update(self, seq_id, tokens, new_count, accepted_nodes, hidden) -> None:
+        self.inner.update(seq_id, tokens, new_count, accepted_nodes, hidden)
+        self.replay.update(seq_id, tokens, new_count, accepted_nodes, hidden)
+
+    def propose(self, seq_ids: list[int]) -> TreeBatch:
+        self.inner.propose(seq_ids)              # its whole cost; its tree is not used
+        chain = self.replay.propose(seq_ids)
+        b, d = chain.tokens.shape
+        out = TreeBatch.padding(b, self.num_nodes)
+        out.tokens[:, :d], out.parents[:, :d] = chain.tokens, chain.parents
+        return out
+
+    def release(self, seq_id) -> None:
+        self.inner.release(seq_id)
+        self.replay.release(seq_id)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--continuations", required=True)
@@ -96,14 +132,30 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--local-socket", default="auto", help="as `treespec draft --local-socket`")
+    ap.add_argument("--shadow", choices=["ngram", "model", "eagle3"],
+                    help="run this proposer's whole step, then replay (the shadow replay)")
+    ap.add_argument("--model", help="--shadow's checkpoint")
+    ap.add_argument("--envelope", default="chain4", help="--shadow's envelope")
+    ap.add_argument("--target-embeddings", help="--shadow eagle3's, as for `treespec draft`")
+    ap.add_argument("--device", default="auto", help="--shadow's device")
     a = ap.parse_args()
+    from common.tree import envelope_from
     from draft_service import server
     from draft_service.config import DraftConfig
-    env = TreeEnvelope(depth=a.depth, topk=1, num_nodes=a.depth, name=f"chain{a.depth}")
-    cfg = DraftConfig(method="ngram", envelope=env, host=a.host, port=a.port, device="cpu",
-                      local_socket=a.local_socket)
+    from draft_service.registry import build_proposer
     records = json.loads(Path(a.continuations).read_text())
-    server.run(cfg, proposer=ReplayProposer(records, a.depth, a.corrupt, a.vocab, a.accept))
+    if a.shadow:
+        cfg = DraftConfig(method=a.shadow, envelope=envelope_from(a.envelope), model=a.model,
+                          target_embeddings=a.target_embeddings, host=a.host, port=a.port,
+                          device=a.device, local_socket=a.local_socket)
+        replay = ReplayProposer(records, cfg.envelope.depth, a.corrupt, a.vocab, a.accept)
+        proposer = ShadowReplay(build_proposer(cfg), replay, cfg.envelope.num_nodes)
+    else:
+        env = TreeEnvelope(depth=a.depth, topk=1, num_nodes=a.depth, name=f"chain{a.depth}")
+        cfg = DraftConfig(method="ngram", envelope=env, host=a.host, port=a.port,
+                          device="cpu", local_socket=a.local_socket)
+        proposer = ReplayProposer(records, a.depth, a.corrupt, a.vocab, a.accept)
+    server.run(cfg, proposer=proposer)
 
 
 if __name__ == "__main__":

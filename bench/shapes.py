@@ -81,6 +81,51 @@ def save_checkpoint(model: Qwen3ForCausalLM, path: Path) -> float:
     return time.perf_counter() - t0
 
 
+# the published Qwen3-8B EAGLE-3 head's shape (one layer over the target's width)
+EAGLE3 = {"qwen3-8b": dict(intermediate=12288, draft_vocab=32000, aux=[1, 17, 32]),
+          "tiny": dict(intermediate=128, draft_vocab=1000, aux=[0, 1, 2])}
+
+
+def random_eagle3_head(target_shape: str, path: Path, seed: int = 3) -> None:
+    """An EAGLE-3 head of that target's published shape with random bf16 weights (std
+    0.02), in the SGLang / vLLM layout, without embed_tokens (the draft service takes
+    the target's: --target-embeddings)."""
+    from safetensors.torch import save_file
+    c, e = config(target_shape), EAGLE3[target_shape]
+    h, hd, i, v = c.hidden_size, c.head_dim, e["intermediate"], e["draft_vocab"]
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    m, a = "midlayer.", "midlayer.self_attn."
+    ids = torch.randperm(c.vocab_size, generator=g)[:v].sort().values
+    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    sd = {"fc.weight": w(h, 3 * h), "norm.weight": torch.ones(h, dtype=torch.bfloat16),
+          "lm_head.weight": w(v, h), "d2t": ids - torch.arange(v), "t2d": t2d,
+          m + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+          m + "hidden_norm.weight": torch.ones(h, dtype=torch.bfloat16),
+          m + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+          a + "q_proj.weight": w(c.num_attention_heads * hd, 2 * h),
+          a + "k_proj.weight": w(c.num_key_value_heads * hd, 2 * h),
+          a + "v_proj.weight": w(c.num_key_value_heads * hd, 2 * h),
+          a + "o_proj.weight": w(h, c.num_attention_heads * hd),
+          m + "mlp.gate_proj.weight": w(i, h), m + "mlp.up_proj.weight": w(i, h),
+          m + "mlp.down_proj.weight": w(h, i)}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+           "hidden_size": h, "target_hidden_size": h, "intermediate_size": i,
+           "num_hidden_layers": 1, "num_attention_heads": c.num_attention_heads,
+           "num_key_value_heads": c.num_key_value_heads, "head_dim": hd,
+           "rms_norm_eps": c.rms_norm_eps, "rope_theta": 1e6, "vocab_size": c.vocab_size,
+           "draft_vocab_size": v, "max_position_embeddings": c.max_position_embeddings,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": e["aux"],
+                            "use_aux_hidden_state": True}}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
 def num_params(name: str) -> int:
     c = SHAPES[name]
     h, i, hd, L = c["hidden_size"], c["intermediate_size"], c["head_dim"], c["num_hidden_layers"]

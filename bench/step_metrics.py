@@ -67,3 +67,15 @@ def step_breakdown(before: dict, after: dict) -> dict[str, float]:
         out["hop_over_ms"] = {f"{le * 1000:g}": round(1 - (a[le] - b.get(le, 0.0)) / n, 4)
                               for le in (0.001, 0.002, 0.004) if le in a}
     return out
+
+
+def fallback_counts(url: str | None) -> dict[str, float]:
+    """The verify service's plain-decode sequence-steps so far, by reason."""
+    if url is None:
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {smp.labels["reason"]: smp.value for fam in text_string_to_metric_families(text)
+            for smp in fam.samples
+            if smp.name == "treespec:spec_decode_fallback_steps_total"}

@@ -52,3 +52,21 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     assert e2e["replay_b1_grpc"]["carrier"] == "grpc"
     assert r["oracle4_decode_ratio"] > 0 and e2e["replay_b1"]["decode_tok_s"] > 0
     assert e2e["model_b1"]["fallback_steps"] == 0 and "error" not in e2e["model_b1"]
+
+
+def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
+    """bench/drafters.py: a real proposer (the EAGLE-3 head of the target's shape, with
+    the target's embeddings) at random weights and under the shadow replay, beside
+    plain decode in the same verify service."""
+    out = tmp_path / "drafters.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "drafters.py"), "--out", str(out),
+                    "--target-shape", "tiny", "--draft-shape", "tiny", "--device", "cpu",
+                    "--ctx", "24", "--max-tokens", "9", "--batches", "1",
+                    "--configs", "eagle3:chain4", "--work", str(tmp_path / "work")],
+                   check=True, timeout=300, cwd=ROOT, capture_output=True)
+    r = json.loads(out.read_text())
+    assert r["errors"] == {} and r["plain"]["1"]["tok_s"] > 0
+    rand, shadow = r["rows"]["eagle3:chain4:random"]["1"], r["rows"]["eagle3:chain4:shadow"]["1"]
+    assert rand["lossless"] and shadow["lossless"] and not rand["fallbacks"]
+    assert shadow["tokens_per_step"] == 4.0      # 9 = the prefill's token and 2 steps of 4
+    assert shadow["hop_draft_ms"] > 0 and rand["hop_draft_ms"] > 0

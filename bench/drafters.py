@@ -1,0 +1,224 @@
+"""What each real drafter costs and buys at serving load, through both services.
+
+    python bench/drafters.py --out bench/results/drafters.json [--batches 1,8,32,64]
+        [--configs ngram:chain4,model:tree-small,...] [--modes random,shadow]
+
+One verify service (Qwen3-8B shape, planted successor map) serves every draft in turn
+on one port; per (proposer, envelope, mode) a draft service starts: `treespec draft`
+with random weights (mode random: what the drafter costs, accepting almost nothing;
+the draft model is Qwen3-0.6B-shaped, the EAGLE-3 head the published Qwen3-8B one's
+shape with the target's embeddings), or the shadow replay instrument (mode shadow:
+the same drafter's whole step, its tree then replaced by the replay's continuation at
+3 correct tokens of 4: what it buys at 4 tokens a step). Plain decode runs first in
+the same verify service (speculation off); its outputs are the reference every
+speculative output must equal. Both services run as CLI processes on their defaults,
+but for the verify's --max-batch and --num-blocks (64 sequences of 1024 + 256
+tokens). Per row: tok/s, its ratio to plain, the step, the draft's part of it, and
+plain-decode steps by reason. `--target-shape tiny --draft-shape tiny --device cpu`
+runs the whole path on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import shapes  # noqa: E402
+from bench.e2e_bench import first_divergence, start, throughput  # noqa: E402
+from bench.step_metrics import fallback_counts, metrics_url  # noqa: E402
+from common.client import AsyncTreespecClient  # noqa: E402
+from common.launch import cli_command  # noqa: E402
+
+BENCH = Path(__file__).resolve().parent
+CONFIGS = ("ngram:chain4,ngram:tree-small,model:chain4,model:tree-small,"
+           "eagle3:chain4,eagle3:tree-small")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def draft_argv(method: str, envelope: str, mode: str, port: int, work: Path, target: Path,
+               device: str, cont: Path) -> list[str]:
+    model = {"ngram": [], "model": ["--model", str(work / "draft")],
+             "eagle3": ["--model", str(work / "eagle3"), "--target-embeddings", str(target)]}
+    common = ["--envelope", envelope, "--port", str(port), *model[method]]
+    if mode == "random":
+        return cli_command("draft", "--method", method, "--device", device, *common)
+    return [sys.executable, str(BENCH / "replay.py"), "--continuations", str(cont),
+            "--accept", "3", "--shadow", method, "--device", device, *common]
+
+
+async def _connected(addr: str, proposer: str, timeout: float = 600.0) -> None:
+    async with AsyncTreespecClient(addr) as c:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            info = await c.info()
+            if info.draft_connected and info.proposer == proposer:
+                return
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"the verify service never reported draft {proposer!r} connected")
+
+
+def row(r: dict, ids: list[list[int]], plain: dict, before: dict, after: dict) -> dict:
+    keep = ("tok_s", "tokens_per_step", "step_ms", "hop_ms", "hop_draft_ms", "verify_ms",
+            "prefill_ms", "fallback_steps", "tok_s_runs")
+    return {**{k: r[k] for k in keep if k in r},
+            "over_plain": r["tok_s"] / plain["tok_s"],
+            "fallbacks": {k: v - before.get(k, 0.0) for k, v in after.items()
+                          if v - before.get(k, 0.0)},
+            "lossless": all(f is None for f in first_divergence(ids, plain["ids"]))}
+
+
+def checkpoints(a: argparse.Namespace, work: Path) -> None:
+    import torch
+    made = [("target", lambda: shapes.random_hf_model(a.target_shape, a.device,
+                                                      plant=a.target_shape != "tiny")),
+            ("draft", lambda: shapes.random_hf_model(a.draft_shape, a.device, seed=2))]
+    for name, make in made:
+        if not (work / name / "config.json").exists():
+            m = make()
+            shapes.save_checkpoint(m, work / name)
+            del m
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
+    if not (work / "eagle3" / "config.json").exists():
+        shapes.random_eagle3_head(a.target_shape, work / "eagle3")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--work", default="/tmp/treespec-drafters")
+    ap.add_argument("--target-shape", default="qwen3-8b")
+    ap.add_argument("--draft-shape", default="qwen3-0.6b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--configs", default=CONFIGS, help="proposer:envelope, comma-separated")
+    ap.add_argument("--modes", default="random,shadow")
+    ap.add_argument("--budget-s", type=float, default=1e9,
+                    help="start no configuration after this many seconds")
+    a = ap.parse_args()
+    import torch
+    t0 = time.monotonic()
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    checkpoints(a, work)
+    batches = [int(x) for x in a.batches.split(",")]
+    g = torch.Generator().manual_seed(7)
+    sets, at = {}, 0
+    prompts = [torch.randint(0, 151936, (a.ctx,), generator=g).tolist()
+               for _ in range(sum(batches))]
+    for b in batches:
+        sets[b], at = prompts[at:at + b], at + b
+    out = Path(a.out)
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "target": a.target_shape,
+                 "draft": a.draft_shape, "ctx": a.ctx, "max_tokens": a.max_tokens,
+                 "plain": {}, "rows": {}, "errors": {}}
+    port = free_port()
+    pages = max(4096, max(batches) * (a.ctx + a.max_tokens + 80) // 16)
+    v = start("verify", cli_command(
+        "verify", "--model", str(work / "target"), "--port", "0", "--device", a.device,
+        "--max-batch", str(max(batches)), "--num-blocks", str(pages), "--metrics-port", "0",
+        "--draft", f"127.0.0.1:{port}"))
+    try:
+        url = metrics_url(v)
+        for b in batches:
+            r = throughput(v.addr, sets[b], a.max_tokens, no_spec=True, metrics=url,
+                           reps=3 if b == 1 else 1)
+            res["plain"][str(b)] = {**{k: r[k] for k in ("tok_s", "step_ms") if k in r},
+                                    "ids": r["ids"]}
+            print(f"plain b={b}: {r['tok_s']:.1f} tok/s", flush=True)
+        cont = work / "continuations.json"
+        cont.write_text(json.dumps([{"prompt": p, "continuation": c} for b in batches
+                                    for p, c in zip(sets[b], res["plain"][str(b)]["ids"])]))
+        for config in a.configs.split(","):
+            method, envelope = config.split(":")
+            for mode in a.modes.split(","):
+                key = f"{method}:{envelope}:{mode}"
+                if time.monotonic() - t0 > a.budget_s:
+                    res.setdefault("skipped", []).append(key)
+                    continue
+                try:
+                    res["rows"][key] = run_config(method, envelope, mode, port, work, a,
+                                                  v, url, sets, res["plain"], cont)
+                except Exception as e:    # one broken configuration must not cost the rest
+                    res["errors"][key] = f"{type(e).__name__}: {e}"
+                    print(f"{key}: {res['errors'][key]}", flush=True)
+                out.write_text(json.dumps(strip(res), indent=1))
+    finally:
+        v.stop()
+    out.write_text(json.dumps(strip(res), indent=1))
+    plot(res, out.with_suffix(".png"))
+    print("total s:", round(time.monotonic() - t0))
+
+
+def run_config(method: str, envelope: str, mode: str, port: int, work: Path,
+               a: argparse.Namespace, v, url: str | None, sets: dict, plain: dict,
+               cont: Path) -> dict:
+    proposer = method if mode == "random" else f"shadow-replay-instrument:{method}"
+    d = start(f"{method}-{envelope}-{mode}",
+              draft_argv(method, envelope, mode, port, work, work / "target", a.device, cont))
+    rows: dict = {}
+    try:
+        asyncio.run(_connected(v.addr, proposer))
+        for b, prompts in sets.items():
+            before = fallback_counts(url)
+            r = throughput(v.addr, prompts, a.max_tokens, no_spec=False, metrics=url,
+                           reps=3 if b == 1 else 1)
+            rows[str(b)] = row(r, r.pop("ids"), plain[str(b)], before, fallback_counts(url))
+            x = rows[str(b)]
+            print(f"{method}:{envelope}:{mode} b={b}: {x['tok_s']:.1f} tok/s "
+                  f"({x['over_plain']:.2f} x), step {x.get('step_ms', 0):.2f} ms, draft "
+                  f"{x.get('hop_draft_ms', 0):.2f} ms, fallbacks {x['fallbacks']}, "
+                  f"lossless {x['lossless']}", flush=True)
+    finally:
+        d.stop()
+    return rows
+
+
+def strip(res: dict) -> dict:
+    """res without the reference token ids (they only serve the lossless check)."""
+    return {**res, "plain": {b: {k: v for k, v in p.items() if k != "ids"}
+                             for b, p in res["plain"].items()}}
+
+
+def plot(res: dict, path: Path) -> None:
+    """tok/s against batch size for plain and every row (needs matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: no plot", flush=True)
+        return
+    fig, ax = plt.subplots(figsize=(9, 6))
+    bs = sorted(int(b) for b in res["plain"])
+    ax.plot(bs, [res["plain"][str(b)]["tok_s"] for b in bs], "k-o", lw=2, label="plain")
+    for key, rows in res["rows"].items():
+        xs = sorted(int(b) for b in rows)
+        style = "--" if key.endswith(":random") else "-"
+        ax.plot(xs, [rows[str(b)]["tok_s"] for b in xs], style, marker=".", label=key)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(bs, [str(b) for b in bs])
+    ax.set_xlabel("batch (concurrent 1024-token prompts)")
+    ax.set_ylabel("tok/s, end to end")
+    ax.set_title(f"{res['target']} target on one GPU ({res['date']}); "
+                 "random: drafter cost; shadow: 4 tok/step instrument")
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+
+
+if __name__ == "__main__":
+    main()
