@@ -82,6 +82,7 @@ class ServerInfo:
     proposer: str
     has_tokenizer: bool
     envelope: dict[str, int | str] | None  # name, depth, topk, num_nodes; None without a draft
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)  # for unset fields
 
 
 class GenerateArgs(TypedDict, total=False):
@@ -91,10 +92,11 @@ class GenerateArgs(TypedDict, total=False):
     max_tokens: int
     stop_token_ids: list[int]
     ignore_eos: bool
-    temperature: float            # 0 = greedy; anything else the server refuses for now
-    top_p: float
-    top_k: int
-    seed: int
+    temperature: float | None     # sampling; None = the server's default (its checkpoint's
+    top_p: float | None           # generation_config.json); temperature 0 = greedy
+    top_k: int | None
+    min_p: float | None
+    seed: int | None              # the same seed and request: the same tokens
     no_speculation: bool          # plain decode for this request
     request_id: str
     timeout: float | None         # deadline in seconds; default the client's
@@ -110,10 +112,13 @@ def tokens_per_step(stats: dict[str, int]) -> float:
 
 def build_request(prompt: str | None = None, prompt_ids: Iterable[int] | None = None,
                   max_tokens: int = 64, stop_token_ids: Iterable[int] = (),
-                  ignore_eos: bool = False, temperature: float = 0.0, top_p: float = 1.0,
-                  top_k: int = 0, seed: int = 0, no_speculation: bool = False,
-                  request_id: str = "", timeout: float | None = None) -> pb.GenerateRequest:
-    """A GenerateRequest; exactly one of prompt / prompt_ids must be given.
+                  ignore_eos: bool = False, temperature: float | None = None,
+                  top_p: float | None = None, top_k: int | None = None,
+                  min_p: float | None = None, seed: int | None = None,
+                  no_speculation: bool = False, request_id: str = "",
+                  timeout: float | None = None) -> pb.GenerateRequest:
+    """A GenerateRequest; exactly one of prompt / prompt_ids must be given. Sampling
+    fields left None are not sent: the server's defaults apply.
 
     `timeout` belongs to the call, not the message, and is ignored here.
     """
@@ -125,7 +130,9 @@ def build_request(prompt: str | None = None, prompt_ids: Iterable[int] | None = 
         request_id=request_id, prompt=prompt or "",
         prompt_ids=list(prompt_ids) if prompt_ids is not None else [],
         max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-        sampling=pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
+        sampling=pb.SamplingParams(**{k: v for k, v in dict(
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            seed=seed).items() if v is not None}),
         no_speculation=no_speculation)
 
 
@@ -139,9 +146,11 @@ def info_from_pb(m: pb.GenerationInfo) -> ServerInfo:
     env = m.envelope
     envelope = ({"name": env.name, "depth": env.depth, "topk": env.topk,
                  "num_nodes": env.num_nodes} if m.HasField("envelope") and env.num_nodes else None)
+    defaults = {f.name: v for f, v in m.sampling_defaults.ListFields()}
     return ServerInfo(model=m.model, vocab_size=m.vocab_size, eos_token_ids=list(m.eos_token_ids),
                       max_model_len=m.max_model_len, draft_connected=m.draft_connected,
-                      proposer=m.proposer, has_tokenizer=m.has_tokenizer, envelope=envelope)
+                      proposer=m.proposer, has_tokenizer=m.has_tokenizer, envelope=envelope,
+                      sampling_defaults=defaults)
 
 
 class Collector:

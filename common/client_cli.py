@@ -20,10 +20,12 @@ def add_generate_arguments(g: argparse.ArgumentParser) -> None:
                    help="extra stop token ids, comma- or space-separated")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS ids")
     g.add_argument("--no-speculation", action="store_true", help="plain decode (for comparison)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (only mode for now)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--temperature", type=float,
+                   help="0 = greedy (default: the server's, from its checkpoint)")
+    g.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (0 = all)")
+    g.add_argument("--top-p", type=float, help="... among the likeliest with this mass")
+    g.add_argument("--min-p", type=float, help="... at least this share of the likeliest's")
+    g.add_argument("--seed", type=int, help="the same seed and request: the same tokens")
     g.add_argument("--timeout", type=float, help="deadline for the whole call, in seconds")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object {token_ids, text, finish_reason, stats}")
@@ -33,7 +35,8 @@ def generate(args: argparse.Namespace) -> int:
     kw = dict(prompt_ids=args.prompt_ids, max_tokens=args.max_tokens,
               stop_token_ids=[i for ids in args.stop_ids for i in ids],
               ignore_eos=args.ignore_eos, temperature=args.temperature, top_p=args.top_p,
-              top_k=args.top_k, seed=args.seed, no_speculation=args.no_speculation,
+              top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+              no_speculation=args.no_speculation,
               timeout=args.timeout)
     with TreespecClient(args.addr) as client:
         if args.json:

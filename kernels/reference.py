@@ -228,3 +228,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """silu_mul(linear(x, gate_up)): x [T, K], gate_up [2I, K] -> [T, I]."""
     return silu_mul(linear(x, gate_up))
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) of int64 tensors holding values < 2^32; the
+    products wrap in int64 and only their low 32 bits are kept."""
+    x = x & _M32
+    x = (x ^ (x >> 16)) * 0x7FEB352D & _M32
+    x = (x ^ (x >> 15)) * 0x846CA68B & _M32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise [R, vocab] float32 for rows keyed (seed [R], position [R]) int64:
+    g = -log(-log(u)), u uniform in (0, 1) from a hash of (seed, position, token id).
+    Counter-based: the same key gives the same noise on any device, in any batch."""
+    key = _mix32(_mix32(seed.long()) ^ position.long())
+    ids = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    u = ((_mix32(key.unsqueeze(-1) ^ ids) >> 8).float() + 0.5) / (1 << 24)
+    return -torch.log(-torch.log(u))

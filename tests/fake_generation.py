@@ -1,7 +1,8 @@
 """An in-process Generation server with scripted answers, for client and CLI tests.
 
 It streams `steps` (lists of token ids) as chunks, the last one with finish_reason
-LENGTH and stats; refuses sampling with INVALID_ARGUMENT as the real service does;
+LENGTH and stats; refuses a negative temperature with INVALID_ARGUMENT as the real
+service does;
 records every request it saw and whether a stream was cancelled by its client.
 """
 
@@ -29,8 +30,8 @@ class FakeGeneration(pb_grpc.GenerationServicer):
 
     def Generate(self, request, context):
         self.requests.append(request)
-        if request.sampling.temperature != 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling is not supported yet")
+        if request.sampling.temperature < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0")
         n = sum(len(s) for s in self.steps)
         finished = threading.Event()
         # runs when the RPC ends for any reason; before the last step only if cancelled

@@ -87,7 +87,12 @@ def test_stop_tokens_and_eos_end_the_request(target_dir):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(prompt_ids=[1, 2], temperature=0.7), "sampling is not supported yet"),
+    (dict(prompt_ids=[1, 2], temperature=-0.5), "temperature must be >= 0"),
+    (dict(prompt_ids=[1, 2], temperature=float("nan")), "temperature must be >= 0"),
+    (dict(prompt_ids=[1, 2], temperature=1.0, top_p=0.0), "top_p must be in (0, 1]"),
+    (dict(prompt_ids=[1, 2], temperature=1.0, top_p=1.5), "top_p must be in (0, 1]"),
+    (dict(prompt_ids=[1, 2], top_k=-1), "top_k must be >= 0"),
+    (dict(prompt_ids=[1, 2], min_p=1.5), "min_p must be in [0, 1]"),
     (dict(prompt_ids=[1, 500]), "outside the vocabulary"),
     (dict(prompt="hello"), "no tokenizer"),
 ])

@@ -158,7 +158,7 @@ def test_generate_json_prints_one_object(capsys):
     r = fake.requests[-1]
     assert list(r.prompt_ids) == [4, 5, 6] and r.max_tokens == 3
     assert list(r.stop_token_ids) == [7, 8, 9] and r.ignore_eos and r.no_speculation
-    assert r.sampling.temperature == 0.0
+    assert not r.sampling.HasField("temperature")      # unset: the server's default
 
 
 def test_generate_streams_ids_without_a_tokenizer(capsys):
@@ -180,11 +180,11 @@ def test_generate_streams_text_with_a_tokenizer(capsys):
 def test_generate_server_error_exits_1_with_the_status(capsys):
     with FakeServer(FakeGeneration([[1]])) as addr:
         code = cli.main(["generate", "--addr", addr, "--prompt-ids", "1", "--max-tokens", "2",
-                         "--temperature", "0.9", "--json"])
+                         "--temperature", "-0.9", "--json"])
     captured = capsys.readouterr()
     assert code == 1 and captured.out == ""
     assert captured.err == ("treespec generate: error: INVALID_ARGUMENT: "
-                            "sampling is not supported yet\n")
+                            "temperature must be >= 0\n")
 
 
 def test_importing_the_cli_loads_no_service_and_no_torch():

@@ -97,12 +97,24 @@ def test_stop_token_ends_the_completion(ngram_stack, reference):
     assert out["token_ids"] in (reference[:first + 1], reference[:first])
 
 
-def test_sampling_is_refused_with_invalid_argument(ngram_stack):
+def test_bad_sampling_parameters_are_invalid_argument(ngram_stack):
     _, verify = ngram_stack
     proc = services.run_cli(*services.generate_args(verify.addr, PROMPT, 4, "--temperature",
-                                                    "0.8"))
+                                                    "-0.8"))
     assert proc.returncode == 1
     assert "INVALID_ARGUMENT" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "temperature" in proc.stderr
+
+
+def test_a_seeded_sample_repeats_and_speculation_keeps_it(ngram_stack):
+    """Coupled acceptance: the same seed gives the same tokens, with speculation or
+    without; another seed other tokens."""
+    _, verify = ngram_stack
+    runs = [services.generate_json(verify.addr, PROMPT, 12, "--ignore-eos", "--temperature",
+                                   "1.0", "--seed", seed, *extra)["token_ids"]
+            for seed, extra in (("7", ()), ("7", ()), ("7", ("--no-speculation",)),
+                                ("8", ()))]
+    assert runs[0] == runs[1] == runs[2] != runs[3]
 
 
 def test_draft_service_stops_cleanly_on_sigterm():

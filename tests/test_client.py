@@ -62,6 +62,8 @@ def test_arguments_map_to_the_request(addr, fake):
         ([4, 5], True, True, "r1")
     assert (r.sampling.temperature, r.sampling.top_p, r.sampling.top_k, r.sampling.seed) == \
         (0.0, 0.5, 7, 11)
+    # what was not given is not sent: the server's defaults apply
+    assert not r.sampling.HasField("temperature") and not r.sampling.HasField("min_p")
 
 
 def test_text_deltas_concatenate(fake, addr):
@@ -79,10 +81,10 @@ def test_bad_arguments_are_value_errors(kw):
 
 def test_server_error_carries_code_and_details(addr):
     with TreespecClient(addr) as c, pytest.raises(TreespecError) as err:
-        c.generate(prompt_ids=[1], max_tokens=4, temperature=0.7)
+        c.generate(prompt_ids=[1], max_tokens=4, temperature=-0.7)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details == "sampling is not supported yet"
-    assert str(err.value) == "INVALID_ARGUMENT: sampling is not supported yet"
+    assert err.value.details == "temperature must be >= 0"
+    assert str(err.value) == "INVALID_ARGUMENT: temperature must be >= 0"
 
 
 def test_unreachable_server_is_unavailable():
@@ -133,7 +135,7 @@ def test_async_client(addr, fake):
             chunks = [ch async for ch in c.generate_stream(prompt_ids=[1, 2], max_tokens=6)]
             done = await c.generate(prompt_ids=[1, 2], max_tokens=6, no_speculation=True)
             with pytest.raises(TreespecError) as err:
-                await c.generate(prompt_ids=[1], max_tokens=2, temperature=1.0)
+                await c.generate(prompt_ids=[1], max_tokens=2, temperature=-1.0)
             return info, chunks, done, err.value
 
     info, chunks, done, err = asyncio.run(main())

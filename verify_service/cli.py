@@ -22,6 +22,9 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
                    help="carry draft steps over the draft's local socket when this process "
                         "reaches it (same host), else over the gRPC stream (default auto); "
                         "off: always gRPC")
+    v.add_argument("--generation-config", choices=["auto", "none"],
+                   help="what a request's unset sampling fields mean: auto (default) the "
+                        "checkpoint's generation_config.json (as vLLM), none greedy")
     v.add_argument("--busy-poll", choices=["auto", "on", "off"],
                    help="wait for the draft's answer and the device without sleeping (one "
                         "busy core while steps run; default auto: on when the device is CUDA)")
@@ -35,7 +38,8 @@ def config(args: argparse.Namespace):
     try:
         return VerifyConfig(model=args.model, draft=args.draft, **given(
             args, RUNTIME + ("max_batch", "max_model_len", "prefill_tokens",
-                             "step_deadline_ms", "reconnect_s", "draft_socket", "busy_poll")))
+                             "step_deadline_ms", "reconnect_s", "draft_socket", "busy_poll",
+                             "generation_config")))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -18,6 +18,8 @@ class VerifyConfig(ServiceConfig):
     step_deadline_ms: float = 100.0   # wait this long for a proposal, then plain decode
     reconnect_s: float = 1.0          # retry period while the draft is unreachable
     draft_socket: str = "auto"        # auto: the draft's local socket if reachable; off: gRPC
+    generation_config: str = "auto"   # sampling defaults: auto = the checkpoint's
+                                      # generation_config.json; none = greedy
     busy_poll: str = "auto"           # wait for drafts and the device without sleeping:
                                       # auto (on when the device is CUDA), on, off
 
@@ -33,6 +35,9 @@ class VerifyConfig(ServiceConfig):
             raise ValueError("max_batch must be >= 1")
         if self.draft_socket not in ("auto", "off"):
             raise ValueError(f"draft_socket must be auto or off, got {self.draft_socket!r}")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError("generation_config must be auto or none, got "
+                             f"{self.generation_config!r}")
         if self.busy_poll not in ("auto", "on", "off"):
             raise ValueError(f"busy_poll must be auto, on or off, got {self.busy_poll!r}")
         if self.step_deadline_ms <= 0 or self.reconnect_s <= 0:

@@ -22,6 +22,7 @@ from collections import Counter, deque
 from common.aio import cancel_and_wait
 from common.errors import InvalidRequest, Unavailable
 from common.qwen3 import Qwen3Model
+from common import sampling
 from common.row_buffer import RowBuffer
 from common.tree import TreeBatch, validate_tree
 from kernels.dispatch import select
@@ -39,7 +40,8 @@ class VerifyEngine:
     def __init__(self, model: Qwen3Model, num_blocks: int, block_size: int, max_batch: int,
                  max_model_len: int, prefill_tokens: int, link: Drafter | None = None,
                  kernels: str = "auto", busy_poll: bool = False,
-                 observer: EngineObserver | None = None) -> None:
+                 observer: EngineObserver | None = None,
+                 sampling_defaults: dict | None = None) -> None:
         self.model = model
         self.spec = model.spec
         self.cache = model.new_cache(num_blocks, block_size)
@@ -49,6 +51,7 @@ class VerifyEngine:
         self.max_model_len = max_model_len or model.spec.max_position
         self.prefill_tokens = prefill_tokens
         self.link = link
+        self.sampling_defaults = sampling_defaults or {}   # for fields a request leaves unset
         self.observer: EngineObserver = observer or NullObserver()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -73,7 +76,8 @@ class VerifyEngine:
         stop = set(req.stop_token_ids)
         if not req.ignore_eos:
             stop |= set(self.spec.eos_token_ids)
-        seq = Sequence(req, frozenset(stop), self.max_model_len)
+        seq = Sequence(req, frozenset(stop), self.max_model_len,
+                       sampling.resolve(req.sampling, self.sampling_defaults))
         self.waiting.append(seq)
         self.observer.submitted(seq)
         self._wake.set()
@@ -189,7 +193,8 @@ class VerifyEngine:
         self.running.extend(batch)
         t0 = time.time_ns()
         firsts, feats = await self.runner.compute(
-            self.verifier.prefill, [s.pages for s in batch], [list(s.tokens) for s in batch])
+            self.verifier.prefill, [s.pages for s in batch], [list(s.tokens) for s in batch],
+            [s.sampling for s in batch])
         for i, (seq, tok) in enumerate(zip(batch, firsts)):
             seq.hidden = RowBuffer(feats[i]) if feats is not None else None
             seq.emit(seq.commit([tok]))
@@ -238,7 +243,7 @@ class VerifyEngine:
         if drafted.trees is not None:
             trees, depth = drafted.trees.scatter(rows, len(seqs)), self.link.info.envelope.depth
         res = await self.runner.step([s.pages for s in seqs], [s.tokens[-1] for s in seqs],
-                                     trees, depth)
+                                     trees, depth, [s.sampling for s in seqs])
         t2 = time.time_ns()
         asked = {seqs[i].seq_id for i in rows}
         syncing = {seqs[rows[j]].seq_id for j in drafted.syncing}

@@ -18,6 +18,7 @@ class GenRequest:
     ignore_eos: bool = False
     no_speculation: bool = False
     request_id: str = ""
+    sampling: dict = field(default_factory=dict)   # the SamplingParams fields it set
 
 
 def check_request(req: GenRequest, vocab_size: int, max_model_len: int) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common.kv_cache import SeqPages
+from common.sampling import GREEDY, SamplingParams
 from verify_service.request import FinishReason, GenRequest, Stats, StepOutput
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ class Sequence:
     req: GenRequest
     stop_ids: frozenset[int]                  # request stop ids + EOS unless ignored
     max_len: int                              # prompt + completion cap
+    sampling: SamplingParams = GREEDY         # resolved: defaults filled in, a seed drawn
     seq_id: int = field(default_factory=lambda: next(_ids))
     tokens: list[int] = field(default_factory=list)   # committed, prompt included
     pages: SeqPages = field(default_factory=SeqPages)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,7 @@ from common.devices import bind_device, pick_device, pick_dtype
 from common.grpc_server import run_server, start_server
 from common.model_paths import resolve_model
 from common.qwen3 import Qwen3Model
+from common.sampling import checkpoint_defaults
 from common.telemetry import VERIFY_SERVICE_NAME, TracingInterceptor, tracer_provider_from_env
 from common.tokenizer import load_tokenizer
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
@@ -54,9 +56,12 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
                      model.spec.vocab_size, model.spec.num_layers, busy,
                      local=cfg.draft_socket != "off") if cfg.draft else None
     observer, metrics = build_observer(cfg, tracer_provider)
+    gen = path / "generation_config.json"
+    defaults = checkpoint_defaults(json.loads(gen.read_text())) \
+        if cfg.generation_config == "auto" and gen.exists() else {}
     engine = VerifyEngine(model, cfg.num_blocks, cfg.block_size, cfg.max_batch,
                           cfg.max_model_len, cfg.prefill_tokens, link=link, kernels=cfg.kernels,
-                          busy_poll=busy, observer=observer)
+                          busy_poll=busy, observer=observer, sampling_defaults=defaults)
     if metrics is not None:
         metrics.watch(engine)
         metrics.serve(cfg.host, cfg.metrics_port)

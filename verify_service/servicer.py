@@ -24,8 +24,6 @@ FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP,
 
 
 def request_from_pb(m: pb.GenerateRequest, tokenizer: Any | None) -> GenRequest:
-    if m.HasField("sampling") and m.sampling.temperature != 0:
-        raise InvalidRequest("sampling is not supported yet (temperature must be 0)")
     if m.prompt and m.prompt_ids:
         raise InvalidRequest("give prompt or prompt_ids, not both")
     if m.prompt:
@@ -36,7 +34,8 @@ def request_from_pb(m: pb.GenerateRequest, tokenizer: Any | None) -> GenRequest:
         ids = tuple(m.prompt_ids)
     return GenRequest(prompt_ids=ids, max_tokens=m.max_tokens,
                       stop_token_ids=frozenset(m.stop_token_ids), ignore_eos=m.ignore_eos,
-                      no_speculation=m.no_speculation, request_id=m.request_id)
+                      no_speculation=m.no_speculation, request_id=m.request_id,
+                      sampling={f.name: v for f, v in m.sampling.ListFields()})
 
 
 def stats_to_pb(s: Stats) -> pb.RequestStats:
@@ -76,7 +75,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         info = pb.GenerationInfo(model=self.model_name, vocab_size=e.spec.vocab_size,
                                  eos_token_ids=list(e.spec.eos_token_ids),
                                  max_model_len=e.max_model_len,
-                                 has_tokenizer=self.tokenizer is not None)
+                                 has_tokenizer=self.tokenizer is not None,
+                                 sampling_defaults=pb.SamplingParams(**e.sampling_defaults))
         link = e.link
         if link is not None and link.info is not None:
             info.envelope.CopyFrom(wire.envelope_to_pb(link.info.envelope))

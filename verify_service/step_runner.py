@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from common.aio import spin_until
 from common.kv_cache import SeqPages
+from common.sampling import SamplingParams
 from common.tree import TreeBatch
 from verify_service.verifier import StepResult, Verifier
 
@@ -30,13 +31,13 @@ class StepRunner:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def step(self, pages: list[SeqPages], roots: list[int], trees: TreeBatch | None,
-                   depth: int) -> StepResult:
+                   depth: int, params: list[SamplingParams]) -> StepResult:
         """verifier.step, launched from the loop and polled when busy polling and its
         graph is captured (a capture takes seconds: that one runs in the worker)."""
         n = 0 if trees is None else trees.tokens.shape[1]
-        if not (self.busy_poll and self.verifier.captured(pages, n)):
-            return await self.compute(self.verifier.step, pages, roots, trees, depth)
-        pending = self.verifier.launch(pages, roots, trees, depth)
+        if not (self.busy_poll and self.verifier.captured(pages, n, params)):
+            return await self.compute(self.verifier.step, pages, roots, trees, depth, params)
+        pending = self.verifier.launch(pages, roots, trees, depth, params)
         await spin_until(pending.ready)
         return self.verifier.finish(pending)
 

@@ -17,6 +17,7 @@ what was accepted; the engine owns the bookkeeping (terms: common/accept.py).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -26,6 +27,7 @@ from common.forward_batch import build_forward_batch, chain_chunk
 from common.graph_buckets import BucketedGraphs
 from common.kv_cache import PagedKVCache, SeqPages
 from common.qwen3 import Qwen3Model
+from common.sampling import GREEDY, SamplingParams, as_tensors, draw
 from common.tree import PAD, TreeBatch
 from verify_service.device_step import fixed_step
 
@@ -64,13 +66,20 @@ class Verifier:
         self._done: torch.cuda.Event | None = None          # readback finished
 
     @torch.inference_mode()
-    def prefill(self, pages: list[SeqPages], prompts: list[list[int]]
+    def prefill(self, pages: list[SeqPages], prompts: list[list[int]],
+                params: list[SamplingParams] | None = None
                 ) -> tuple[list[int], list[torch.Tensor] | None]:
-        """Write every prompt's KV; returns each prompt's greedy next token and, when
-        capturing, each prompt's hidden states [len(prompt), C]."""
+        """Write every prompt's KV; returns each prompt's next token (greedy, or drawn
+        with its params) and, when capturing, each prompt's hidden states [len, C]."""
         fb = build_forward_batch([chain_chunk(p, t) for p, t in zip(pages, prompts)], self.cache)
         hidden, captured = self.model(fb, self.cache, self.ops, self.capture_layers)
-        nxt = self.model.greedy(hidden[fb.last], self.ops).tolist()
+        last = hidden[fb.last]
+        if params is None or all(p.greedy for p in params):
+            nxt = self.model.greedy(last, self.ops).tolist()
+        else:
+            position = torch.tensor([len(t) for t in prompts], device=last.device)
+            nxt = draw(self.ops.linear(last, self.model.lm_head.weight),
+                       *as_tensors(params, last.device), position=position).tolist()
         for p, t in zip(pages, prompts):
             p.kv_len += len(t)
         if not captured:
@@ -80,16 +89,18 @@ class Verifier:
         return nxt, [feats[cu[i]:cu[i + 1]] for i in range(len(prompts))]
 
     def step(self, pages: list[SeqPages], roots: list[int], trees: TreeBatch | None,
-             depth: int) -> StepResult:
-        """Verify one tree per sequence (None: plain decode); blocks until done."""
-        return self.finish(self.launch(pages, roots, trees, depth))
+             depth: int, params: list[SamplingParams] | None = None) -> StepResult:
+        """Verify one tree per sequence (None: plain decode), each drawing as its
+        params say (None: every one greedy); blocks until done."""
+        return self.finish(self.launch(pages, roots, trees, depth, params))
 
-    def captured(self, pages: list[SeqPages], n: int) -> bool:
+    def captured(self, pages: list[SeqPages], n: int,
+                 params: list[SamplingParams] | None = None) -> bool:
         """Whether a step of these sequences with n-node trees has its graph already
         (reserves the step's slots, as the step would)."""
         self._reserve(pages, n)
         b, p = self.buckets.buckets(pages)
-        return ((n, self.capture_layers), b, p) in self.buckets.graphs
+        return ((n, self.capture_layers, _sampled(params)), b, p) in self.buckets.graphs
 
     def _reserve(self, pages: list[SeqPages], n: int) -> None:
         """Slots for [root, n nodes] past each committed length (idempotent)."""
@@ -98,25 +109,29 @@ class Verifier:
 
     @torch.inference_mode()
     def launch(self, pages: list[SeqPages], roots: list[int], trees: TreeBatch | None,
-               depth: int) -> PendingStep:
+               depth: int, params: list[SamplingParams] | None = None) -> PendingStep:
         """Queue the step and the readback of its results on the device; returns at
-        once. ``finish(pending)`` completes it (blocks until the device is done)."""
+        once. ``finish(pending)`` completes it (blocks until the device is done). A
+        step where every row is greedy runs a graph without the draw."""
         n = 0 if trees is None else trees.tokens.shape[1]
         self._reserve(pages, n)
         gb = self.buckets
         b, p = gb.buckets(pages)
         walk, cap, dev = (depth if n else 0), self.capture_layers, self.cache.device
+        sampled = _sampled(params)
 
         def example(bb: int) -> list[torch.Tensor]:
             return [pack_inputs([0] * bb, [0] * bb, None if n == 0 else TreeBatch.padding(bb, n),
-                                [[]] * bb, bb, p, gb.scratch).to(dev)]
+                                [[]] * bb, bb, p, gb.scratch,
+                                [GREEDY] * bb if sampled else None).to(dev)]
 
         def fn(packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return packed_step(self.model, self.cache, self.ops, walk, cap, n, packed)
+            return packed_step(self.model, self.cache, self.ops, walk, cap, n, sampled, packed)
 
-        graph = gb.get((n, cap), b, p, example, fn)
+        graph = gb.get((n, cap, sampled), b, p, example, fn)
         out, *path = graph(pack_inputs(roots, [sp.kv_len for sp in pages], trees,
-                                       [sp.pages for sp in pages], b, p, gb.scratch))
+                                       [sp.pages for sp in pages], b, p, gb.scratch,
+                                       params if sampled else None))
         host, done = self._readback(out)
         return PendingStep(pages, host, done, path[0] if path else None)
 
@@ -152,30 +167,49 @@ class Verifier:
                           [res[i][d + 1] for i in range(len(nums))], rows)
 
 
+def _sampled(params: list[SamplingParams] | None) -> bool:
+    return params is not None and not all(p.greedy for p in params)
+
+
+def _bits(x: float) -> int:
+    """A float32's bits as an int32 (sampling parameters travel in the int32 pack)."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
 def pack_inputs(roots: list[int], ctx: list[int], trees: TreeBatch | None,
-                tables: list[list[int]], b: int, p: int, scratch: int) -> torch.Tensor:
-    """One [b, 2 + 2N + p] int32 host tensor: root, committed KV length, tree tokens,
-    tree parents, page table. Rows past len(roots) (and page-table tails) are padding
-    on the scratch page; one tensor means one upload per step."""
+                tables: list[list[int]], b: int, p: int, scratch: int,
+                params: list[SamplingParams] | None = None) -> torch.Tensor:
+    """One [b, 2 (+ 5) + 2N + p] int32 host tensor: root, committed KV length, (when
+    drawing: temperature, top_k, top_p, min_p, seed), tree tokens, tree parents, page
+    table. Rows past len(roots) (and page-table tails) are padding on the scratch page;
+    one tensor means one upload per step."""
     n = 0 if trees is None else trees.tokens.shape[1]
     tok = trees.tokens.tolist() if n else [[]] * len(roots)
     par = trees.parents.tolist() if n else [[]] * len(roots)
-    rows = [[roots[i], ctx[i], *tok[i], *par[i], *table, *[scratch] * (p - len(table))]
-            for i, table in enumerate(tables)]
-    pad = [0, 0] + [0] * n + [PAD] * n + [scratch] * p
+    draws = [] if params is None else [[_bits(q.temperature), q.top_k, _bits(q.top_p),
+                                         _bits(q.min_p), q.seed] for q in params]
+    rows = [[roots[i], ctx[i], *(draws[i] if draws else ()), *tok[i], *par[i], *table,
+             *[scratch] * (p - len(table))] for i, table in enumerate(tables)]
+    greedy = [_bits(0.0), 0, _bits(1.0), _bits(0.0), 0] if params is not None else []
+    pad = [0, 0, *greedy] + [0] * n + [PAD] * n + [scratch] * p
     return torch.tensor(rows + [pad] * (b - len(rows)), dtype=torch.int32)
 
 
 def packed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: int,
-                capture: tuple[int, ...], n: int, packed: torch.Tensor
+                capture: tuple[int, ...], n: int, sampled: bool, packed: torch.Tensor
                 ) -> tuple[torch.Tensor, ...]:
     """fixed_step on pack_inputs' layout; returns [B, depth + 2] int64 (accepted
     nodes padded -1, number accepted, bonus token) and, when capturing, the path's
     hidden states: one tensor to read back."""
     roots, ctx = packed[:, 0].long(), packed[:, 1].contiguous()
-    tokens, parents = packed[:, 2:2 + n].contiguous(), packed[:, 2 + n:2 + 2 * n].contiguous()
-    table = packed[:, 2 + 2 * n:].contiguous()
+    sampling = None
+    if sampled:
+        f = packed[:, 2:7].contiguous().view(torch.float32)            # the same bits
+        sampling = [f[:, 0], packed[:, 3].long(), f[:, 2], f[:, 3], packed[:, 6].long()]
+    at = 7 if sampled else 2
+    tokens, parents = packed[:, at:at + n].contiguous(), packed[:, at + n:at + 2 * n].contiguous()
+    table = packed[:, at + 2 * n:].contiguous()
     accepted, num, bonus, *path = fixed_step(model, cache, ops, depth, capture, roots, tokens,
-                                             parents, ctx, table)
+                                             parents, ctx, table, sampling)
     out = torch.cat([accepted.long(), num.long().unsqueeze(1), bonus.long().unsqueeze(1)], 1)
     return (out, *path)

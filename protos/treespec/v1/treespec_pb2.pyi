@@ -41,16 +41,18 @@ class TreeEnvelope(_message.Message):
     def __init__(self, name: _Optional[str] = ..., depth: _Optional[int] = ..., topk: _Optional[int] = ..., num_nodes: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "min_p")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    min_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "prompt_ids", "max_tokens", "stop_token_ids", "ignore_eos", "sampling", "no_speculation")
@@ -105,7 +107,7 @@ class GenerationInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GenerationInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_model_len", "envelope", "draft_connected", "proposer", "has_tokenizer")
+    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_model_len", "envelope", "draft_connected", "proposer", "has_tokenizer", "sampling_defaults")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +116,7 @@ class GenerationInfo(_message.Message):
     DRAFT_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -122,7 +125,8 @@ class GenerationInfo(_message.Message):
     draft_connected: bool
     proposer: str
     has_tokenizer: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., envelope: _Optional[_Union[TreeEnvelope, _Mapping]] = ..., draft_connected: _Optional[bool] = ..., proposer: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
+    sampling_defaults: SamplingParams
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., envelope: _Optional[_Union[TreeEnvelope, _Mapping]] = ..., draft_connected: _Optional[bool] = ..., proposer: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., sampling_defaults: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class DrafterInfoRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,116 @@
+"""Sampling: a request's parameters, the target's distribution under them, and the draw.
+
+A request samples from the target's next-token distribution p under its parameters,
+defined as transformers' logits warpers define it, applied in this order:
+temperature (logits / T), top-k (the k most likely), top-p (the most likely tokens
+until their mass reaches top_p, at least one), min-p (tokens at least min_p times as
+likely as the most likely). Temperature 0 is greedy (argmax, no sampling).
+
+The draw is Gumbel-max: x = argmax_v(filtered logits / T + g_v), g_v Gumbel noise from
+``kernels.reference.gumbel_noise(seed, position)``: a counter-based hash of the
+request's seed, the token's position in the sequence and the vocabulary id. Given the
+prefix, the noise at a position is independent of everything before it, so x is an
+exact sample of p there; and a position's draw depends only on (seed, position, p), so
+with or without speculation, and whatever a drafter proposed, the same seed gives the
+same tokens ("coupled" acceptance: a draft token is accepted iff it equals the
+target's draw at its node).
+
+Example: logits [2, 1, 0, -5], T 1, top_k 2 -> p over {0, 1} = [0.73, 0.27]; a seed
+whose noise at this position is [0.1, 1.5, 3.0, 9.9] draws argmax([2.1, 2.5, -inf,
+-inf]) = 1.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, fields
+
+import torch
+
+from common.errors import InvalidRequest
+from kernels.reference import gumbel_noise
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0        # 0 = greedy
+    top_k: int = 0                  # 0 = all tokens
+    top_p: float = 1.0              # in (0, 1]
+    min_p: float = 0.0              # in [0, 1]
+    seed: int = 0                   # the draw's key (0..2^31-1)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
+
+
+GREEDY = SamplingParams()
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+
+
+def checkpoint_defaults(generation_config: dict) -> dict:
+    """The sampling fields a checkpoint's generation_config.json sets (as vLLM reads
+    them), e.g. Qwen3's {temperature: 0.6, top_k: 20, top_p: 0.95}."""
+    return {f: generation_config[f] for f in SAMPLING_FIELDS
+            if generation_config.get(f) is not None}
+
+
+def resolve(given: dict, defaults: dict) -> SamplingParams:
+    """The request's parameters: what it set, else the defaults; a seed when it set
+    none (random: two unseeded requests draw independently). InvalidRequest names a
+    field that is out of range."""
+    vals = {**defaults, **given}
+    if "seed" not in vals:
+        vals["seed"] = secrets.randbelow(1 << 31)
+    vals["seed"] %= 1 << 31
+    names = {f.name for f in fields(SamplingParams)}
+    return SamplingParams(**{k: v for k, v in vals.items() if k in names})
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] float32 and per-row parameters [R] -> logits / T with the tokens
+    outside top-k, top-p and min-p at -inf (rows with T 0 are returned unscaled; the
+    caller takes their argmax). Fixed shapes, no host sync: one sort a row."""
+    v = logits.shape[-1]
+    x = logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(-1)
+    sorted_x, order = x.sort(-1, descending=True)
+    rank = torch.arange(v, device=x.device)
+    keep = (top_k.unsqueeze(-1) <= 0) | (rank < top_k.unsqueeze(-1))            # top-k
+    probs = torch.softmax(torch.where(keep, sorted_x, float("-inf")), -1)
+    before = probs.cumsum(-1) - probs                   # mass of the tokens ranked above
+    keep &= (before < top_p.unsqueeze(-1)) | (rank == 0)                         # top-p
+    keep &= sorted_x - sorted_x[:, :1] >= torch.log(min_p).unsqueeze(-1)         # min-p
+    kept = torch.full_like(x, float("-inf")).scatter(-1, order,
+                                                     torch.where(keep, sorted_x, -math.inf))
+    return kept
+
+
+def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+         top_p: torch.Tensor, min_p: torch.Tensor, seed: torch.Tensor,
+         position: torch.Tensor) -> torch.Tensor:
+    """The token each row draws [R] int64 (the argmax where T is 0). logits [R, V]
+    (any float dtype), parameters [R], seed [R] and position [R] (the index in its
+    sequence of the token being drawn) int64."""
+    greedy = logits.argmax(-1)
+    scores = filter_logits(logits.float(), temperature, top_k, top_p, min_p)
+    sampled = (scores + gumbel_noise(seed, position, logits.shape[-1])).argmax(-1)
+    return torch.where(temperature > 0, sampled, greedy)
+
+
+def as_tensors(params: list[SamplingParams], device: torch.device) -> list[torch.Tensor]:
+    """[temperature, top_k, top_p, min_p, seed] of the rows, each [R] on device."""
+    cols = list(zip(*[(p.temperature, p.top_k, p.top_p, p.min_p, p.seed) for p in params]))
+    dtypes = (torch.float32, torch.int64, torch.float32, torch.float32, torch.int64)
+    return [torch.tensor(c, dtype=d, device=device) for c, d in zip(cols, dtypes)]

