@@ -1,0 +1,78 @@
+"""The sampling pieces: parameters and their checks, the warpers as transformers
+defines them, and the counter-based noise."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from common.errors import InvalidRequest
+from common.sampling import (GREEDY, SamplingParams, checkpoint_defaults, draw,
+                             filter_logits, resolve)
+from kernels.reference import gumbel_noise
+
+
+def test_filtering_equals_transformers_warpers():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        logits = torch.randn(1, 50, generator=g) * 3
+        t = float(torch.rand(1, generator=g)) * 1.5 + 0.1
+        k = int(torch.randint(0, 20, (1,), generator=g))
+        p = float(torch.rand(1, generator=g)) * 0.99 + 0.01
+        m = float(torch.rand(1, generator=g)) * 0.3
+        want = TemperatureLogitsWarper(t)(None, logits.clone())
+        for warper, on in ((TopKLogitsWarper(max(k, 1)), k > 0), (TopPLogitsWarper(p), True),
+                           (MinPLogitsWarper(m), m > 0)):
+            want = warper(None, want) if on else want
+        got = filter_logits(logits, torch.tensor([t]), torch.tensor([k]), torch.tensor([p]),
+                            torch.tensor([m]))
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        assert torch.allclose(got[~torch.isinf(got)], want[~torch.isinf(want)])
+
+
+def test_noise_is_keyed_by_seed_and_position_only():
+    one = gumbel_noise(torch.tensor([7]), torch.tensor([30]), 64)
+    batch = gumbel_noise(torch.tensor([3, 7, 7]), torch.tensor([30, 30, 31]), 64)
+    assert torch.equal(batch[1:2], one)                  # whatever else is in the batch
+    assert not torch.equal(batch[0], batch[1]) and not torch.equal(batch[1], batch[2])
+    g = gumbel_noise(torch.arange(1, 201), torch.full((200,), 5), 1000)
+    assert abs(g.mean().item() - 0.5772) < 0.02 and abs(g.std().item() - math.pi / 6 ** 0.5) < 0.02
+
+
+def test_draw_is_greedy_at_temperature_zero_and_keeps_to_top_k():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -5.0]]).repeat(500, 1)
+    seeds, pos = torch.arange(500), torch.full((500,), 9)
+
+    def run(t: float, k: int) -> torch.Tensor:
+        n = logits.shape[0]
+        return draw(logits, torch.full((n,), t), torch.full((n,), k), torch.ones(n),
+                    torch.zeros(n), seeds, pos)
+    assert (run(0.0, 0) == 0).all()
+    top2 = run(1.0, 2)
+    assert set(top2.tolist()) == {0, 1}
+    assert abs((top2 == 0).float().mean().item() - 1 / (1 + math.exp(-1))) < 0.06
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=-2), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"),
+    (dict(min_p=-0.1), "min_p"), (dict(min_p=2.0), "min_p")])
+def test_out_of_range_parameters_are_refused_by_name(kw, field):
+    with pytest.raises(InvalidRequest, match=field):
+        SamplingParams(**kw)
+
+
+def test_unset_fields_take_the_checkpoints_defaults():
+    qwen3 = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+             "eos_token_id": [1, 2]}
+    d = checkpoint_defaults(qwen3)
+    assert d == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    p = resolve({"top_k": 5, "seed": 3}, d)
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.seed) == (0.6, 5, 0.95, 0.0, 3)
+    assert resolve({}, {}).greedy
+    assert len({resolve({}, {}).seed for _ in range(5)}) > 1      # unseeded: a seed each
+    assert GREEDY.greedy and resolve({"temperature": 0.0}, d).greedy
