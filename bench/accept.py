@@ -1,8 +1,12 @@
-"""How well each proposer x envelope speculates, greedy, on held-out Python code.
+"""How well each proposer x envelope speculates on held-out Python code.
 
     python bench/accept.py [--model tiny-code] [--methods ngram,model,eagle3]
         [--envelopes chain4,tree-small,tree-wide] [--files 20] [--prompt-tokens 128]
-        [--max-tokens 64] [--device auto] [--json FILE]
+        [--max-tokens 64] [--temperature T [--top-k K --top-p P --min-p M]]
+        [--device auto] [--json FILE]
+
+At a temperature above 0 each prompt draws with its own seed (its index), so
+"identical" compares speculative and plain output under the same seeds.
 
 For every configuration it starts a real draft service (gRPC on loopback) and a
 verify engine in this process, decodes a window of each held-out file, and
@@ -69,22 +73,25 @@ def held_out_prompts(target: Path, tokenizer, files: int, prompt_tokens: int) ->
     return prompts
 
 
-async def _decode(engine, prompts: list[list[int]], max_tokens: int, plain: bool) -> list[list[int]]:
+async def _decode(engine, prompts: list[list[int]], max_tokens: int, plain: bool,
+                  sampling: dict) -> list[list[int]]:
     from verify_service.request import GenRequest
 
-    async def one(p: list[int]) -> list[int]:
-        seq = engine.submit(GenRequest(tuple(p), max_tokens, ignore_eos=True, no_speculation=plain))
+    async def one(i: int, p: list[int]) -> list[int]:
+        seq = engine.submit(GenRequest(tuple(p), max_tokens, ignore_eos=True, no_speculation=plain,
+                                       sampling={**sampling, "seed": i}))
         out: list[int] = []
         while True:
             o = await seq.out.get()
             out += o.token_ids
             if o.finish_reason:
                 return out
-    return [await one(p) for p in prompts]
+    return [await one(i, p) for i, p in enumerate(prompts)]
 
 
 async def _config(target: str, method: str, draft: str | None, envelope: str,
-                  prompts: list[list[int]], max_tokens: int, device: str) -> dict:
+                  prompts: list[list[int]], max_tokens: int, device: str,
+                  sampling: dict) -> dict:
     from common.tree import envelope_from
     from draft_service import server as draft_server
     from draft_service.config import DraftConfig
@@ -105,10 +112,10 @@ async def _config(target: str, method: str, draft: str | None, envelope: str,
             if engine.link.ready:
                 break
             await asyncio.sleep(0.02)
-        plain = await _decode(engine, prompts, max_tokens, plain=True)
+        plain = await _decode(engine, prompts, max_tokens, True, sampling)
         tally.steps = tally.committed = 0
         tally.depth_hist = []
-        spec = await _decode(engine, prompts, max_tokens, plain=False)
+        spec = await _decode(engine, prompts, max_tokens, False, sampling)
     finally:
         await engine.stop()
         await engine.link.close()
@@ -117,7 +124,9 @@ async def _config(target: str, method: str, draft: str | None, envelope: str,
 
 
 def run(target: str, envelopes: list[str], methods: list[str], files: int, prompt_tokens: int,
-        max_tokens: int, device: str) -> list[dict]:
+        max_tokens: int, device: str, sampling: dict | None = None) -> list[dict]:
+    """One row per method x envelope; sampling: the requests' SamplingParams fields
+    (none: greedy)."""
     from common.tokenizer import load_tokenizer
     path = resolve_model(target)
     tok = load_tokenizer(path)
@@ -128,8 +137,10 @@ def run(target: str, envelopes: list[str], methods: list[str], files: int, promp
     for method in methods:
         for env in envelopes:
             draft = str(resolve_model(PROPOSERS[method])) if PROPOSERS[method] else None
-            r = asyncio.run(_config(str(path), method, draft, env, prompts, max_tokens, device))
-            rows.append(dict(proposer=method, envelope=env, **r))
+            r = asyncio.run(_config(str(path), method, draft, env, prompts, max_tokens, device,
+                                    sampling or {}))
+            rows.append(dict(proposer=method, envelope=env,
+                             temperature=(sampling or {}).get("temperature", 0.0), **r))
             print(format_row(rows[-1]), flush=True)
     return rows
 
@@ -153,11 +164,17 @@ def main() -> int:
     a.add_argument("--prompt-tokens", type=int, default=128)
     a.add_argument("--max-tokens", type=int, default=64)
     a.add_argument("--device", default="auto")
+    a.add_argument("--temperature", type=float, default=0.0)
+    a.add_argument("--top-k", type=int)
+    a.add_argument("--top-p", type=float)
+    a.add_argument("--min-p", type=float)
     a.add_argument("--json", help="also write the rows to this file")
     args = a.parse_args()
+    sampling = {k: v for k in ("temperature", "top_k", "top_p", "min_p")
+                if (v := getattr(args, k)) is not None}
     print(HEADER, flush=True)
     rows = run(args.model, args.envelopes.split(","), args.methods.split(","), args.files,
-               args.prompt_tokens, args.max_tokens, args.device)
+               args.prompt_tokens, args.max_tokens, args.device, sampling)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if all(r["identical"] for r in rows) else 1
