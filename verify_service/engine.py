@@ -1,10 +1,11 @@
-"""The verify engine: continuous batching of greedy speculative decoding.
+"""The verify engine: continuous batching of speculative decoding.
 
 Each loop iteration (1) admits waiting requests and prefills them in one forward,
 (2) asks the draft for one tree per running sequence (one message for the batch),
 and (3) runs ONE target forward over [root, nodes] of every running sequence,
-accepting, committing and streaming 1..depth+1 tokens each. A missing, late or
-broken proposal turns the step into plain decode: output never changes.
+accepting, committing and streaming 1..depth+1 tokens each (greedy, or each request's
+seeded draw: common/sampling.py). A missing, late or broken proposal turns the step
+into plain decode: output never changes.
 
 The draft is reached through a ``Drafter`` (verify_service/drafter.py); the engine
 never sees its carrier. All state is touched only on the event loop; compute runs
@@ -19,10 +20,10 @@ import logging
 import time
 from collections import Counter, deque
 
+from common import sampling
 from common.aio import cancel_and_wait
 from common.errors import InvalidRequest, Unavailable
 from common.qwen3 import Qwen3Model
-from common import sampling
 from common.row_buffer import RowBuffer
 from common.tree import TreeBatch, validate_tree
 from kernels.dispatch import select
