@@ -3,7 +3,7 @@
     python bench/accept.py [--model tiny-code] [--methods ngram,model,eagle3]
         [--envelopes chain4,tree-small,tree-wide] [--files 20] [--prompt-tokens 128]
         [--max-tokens 64] [--temperature T [--top-k K --top-p P --min-p M]]
-        [--device auto] [--json FILE]
+        [--draft-sampling coupled|deterministic] [--device auto] [--json FILE]
 
 At a temperature above 0 each prompt draws with its own seed (its index), so
 "identical" compares speculative and plain output under the same seeds.
@@ -91,7 +91,7 @@ async def _decode(engine, prompts: list[list[int]], max_tokens: int, plain: bool
 
 async def _config(target: str, method: str, draft: str | None, envelope: str,
                   prompts: list[list[int]], max_tokens: int, device: str,
-                  sampling: dict) -> dict:
+                  sampling: dict, draft_sampling: str) -> dict:
     from common.tree import envelope_from
     from draft_service import server as draft_server
     from draft_service.config import DraftConfig
@@ -100,7 +100,8 @@ async def _config(target: str, method: str, draft: str | None, envelope: str,
 
     env = envelope_from(envelope)
     dserver, dport, _ = await draft_server.start(DraftConfig(
-        method=method, envelope=env, model=draft, device=device))
+        method=method, envelope=env, model=draft, device=device,
+        draft_sampling=draft_sampling))
     engine, _ = build_engine(VerifyConfig(model=target, draft=f"127.0.0.1:{dport}",
                                           device=device, step_deadline_ms=10_000))
     tally = Tally()
@@ -124,9 +125,10 @@ async def _config(target: str, method: str, draft: str | None, envelope: str,
 
 
 def run(target: str, envelopes: list[str], methods: list[str], files: int, prompt_tokens: int,
-        max_tokens: int, device: str, sampling: dict | None = None) -> list[dict]:
+        max_tokens: int, device: str, sampling: dict | None = None,
+        draft_sampling: str = "coupled") -> list[dict]:
     """One row per method x envelope; sampling: the requests' SamplingParams fields
-    (none: greedy)."""
+    (none: greedy); draft_sampling: the draft service's --draft-sampling."""
     from common.tokenizer import load_tokenizer
     path = resolve_model(target)
     tok = load_tokenizer(path)
@@ -138,9 +140,10 @@ def run(target: str, envelopes: list[str], methods: list[str], files: int, promp
         for env in envelopes:
             draft = str(resolve_model(PROPOSERS[method])) if PROPOSERS[method] else None
             r = asyncio.run(_config(str(path), method, draft, env, prompts, max_tokens, device,
-                                    sampling or {}))
+                                    sampling or {}, draft_sampling))
             rows.append(dict(proposer=method, envelope=env,
-                             temperature=(sampling or {}).get("temperature", 0.0), **r))
+                             temperature=(sampling or {}).get("temperature", 0.0),
+                             draft_sampling=draft_sampling, **r))
             print(format_row(rows[-1]), flush=True)
     return rows
 
@@ -168,13 +171,14 @@ def main() -> int:
     a.add_argument("--top-k", type=int)
     a.add_argument("--top-p", type=float)
     a.add_argument("--min-p", type=float)
+    a.add_argument("--draft-sampling", default="coupled", choices=["coupled", "deterministic"])
     a.add_argument("--json", help="also write the rows to this file")
     args = a.parse_args()
     sampling = {k: v for k in ("temperature", "top_k", "top_p", "min_p")
                 if (v := getattr(args, k)) is not None}
     print(HEADER, flush=True)
     rows = run(args.model, args.envelopes.split(","), args.methods.split(","), args.files,
-               args.prompt_tokens, args.max_tokens, args.device, sampling)
+               args.prompt_tokens, args.max_tokens, args.device, sampling, args.draft_sampling)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if all(r["identical"] for r in rows) else 1

@@ -75,7 +75,7 @@ class ReplayProposer:
             return i >= self.accept
         return self.rng.random() < self.corrupt
 
-    def propose(self, seq_ids: list[int]) -> TreeBatch:
+    def propose(self, seq_ids: list[int], sampling=None) -> TreeBatch:
         n = self.depth
         tokens, parents = [], []
         for s in seq_ids:
@@ -108,8 +108,8 @@ class ShadowReplay:
         self.inner.update(seq_id, tokens, new_count, accepted_nodes, hidden)
         self.replay.update(seq_id, tokens, new_count, accepted_nodes, hidden)
 
-    def propose(self, seq_ids: list[int]) -> TreeBatch:
-        self.inner.propose(seq_ids)              # its whole cost; its tree is not used
+    def propose(self, seq_ids: list[int], sampling=None) -> TreeBatch:
+        self.inner.propose(seq_ids, sampling)    # its whole cost; its tree is not used
         chain = self.replay.propose(seq_ids)
         b, d = chain.tokens.shape
         out = TreeBatch.padding(b, self.num_nodes)

@@ -109,6 +109,24 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return torch.where(temperature > 0, sampled, greedy)
 
 
+def draft_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor, min_p: torch.Tensor, seed: torch.Tensor,
+                 position: torch.Tensor, ids: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A drafter's (log-probs, picks) [R, V] for rows drawing as ``draw`` does: a greedy
+    row's are its log-softmax, both; a sampling row's log-probs are those of its
+    filtered distribution, its picks those plus the Gumbel noise of (seed, position).
+    The largest picks of a row are a draw without replacement, the first the very
+    token ``draw`` takes from the same logits and key: a drafter that picks this way
+    proposes what the target draws wherever their distributions agree. ids [V]: the
+    target's ids of the logits' columns (a drafter with a vocabulary of its own)."""
+    lp = logits.float().log_softmax(-1)
+    kept = filter_logits(logits.float(), temperature, top_k, top_p, min_p)
+    noisy = kept + gumbel_noise(seed, position, logits.shape[-1] if ids is None else ids)
+    sampled = (temperature > 0).unsqueeze(-1)
+    return torch.where(sampled, kept.log_softmax(-1), lp), torch.where(sampled, noisy, lp)
+
+
 def as_tensors(params: list[SamplingParams], device: torch.device) -> list[torch.Tensor]:
     """[temperature, top_k, top_p, min_p, seed] of the rows, each [R] on device."""
     cols = list(zip(*[(p.temperature, p.top_k, p.top_p, p.min_p, p.seed) for p in params]))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.sampling import SamplingParams
 from common.tree import TreeBatch, TreeEnvelope
 
 
@@ -22,6 +23,7 @@ class SeqUpdate:
     accepted_nodes: list[int] = field(default_factory=list)  # of step accepted_step_id
     accepted_step_id: int = 0
     hidden: torch.Tensor | None = None  # [len(new_tokens), layers * hidden]
+    sampling: SamplingParams | None = None  # full updates of a sampling request only
 
 
 @dataclass

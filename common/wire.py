@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from common import codec
+from common.sampling import SamplingParams
 from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
 from common.tree import TreeBatch, TreeEnvelope
 from protos.treespec.v1 import treespec_pb2 as pb
@@ -40,6 +41,10 @@ def spec_request_to_pb(r: SpecRequest) -> pb.SpeculateRequest:
                 accepted_step_id=u.accepted_step_id)
         if u.hidden is not None:
             s.hidden_states.CopyFrom(codec.encode(u.hidden))
+        if u.sampling is not None:
+            p = u.sampling
+            s.sampling.CopyFrom(pb.SamplingParams(temperature=p.temperature, top_k=p.top_k,
+                                                  top_p=p.top_p, min_p=p.min_p, seed=p.seed))
     return m
 
 
@@ -49,10 +54,17 @@ def spec_request_from_pb(m: pb.SpeculateRequest) -> SpecRequest:
                       accepted_nodes=list(u.accepted_nodes),
                       accepted_step_id=u.accepted_step_id,
                       hidden=codec.decode(u.hidden_states)
-                      if u.HasField("hidden_states") else None)
+                      if u.HasField("hidden_states") else None,
+                      sampling=_sampling(u.sampling) if u.HasField("sampling") else None)
             for u in m.sequences]
     return SpecRequest(step_id=m.step_id, seqs=seqs, released=list(m.released),
                        trace_context=dict(m.trace_context))
+
+
+def _sampling(m: pb.SamplingParams) -> SamplingParams:
+    """A resolved SamplingParams (InvalidRequest naming a field out of range)."""
+    return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=m.top_p,
+                          min_p=m.min_p, seed=m.seed)
 
 
 def response_to_pb(r: SpecResponse) -> pb.Proposal:

@@ -24,6 +24,10 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--ngram-max", type=int, help="longest suffix the n-gram proposer matches")
     d.add_argument("--ngram-min", type=int, help="shortest suffix the n-gram proposer matches")
     d.add_argument("--max-sequences", type=int, help="sequences whose state the draft keeps")
+    d.add_argument("--draft-sampling", choices=["coupled", "deterministic"],
+                   help="how model drafters draft a sampling request: coupled (default: "
+                        "children picked with the request's seeded noise, as the target "
+                        "draws) or deterministic (the top-k by log-prob, as for greedy)")
     d.add_argument("--local-socket", metavar="auto|off|PATH",
                    help="also serve the per-step stream on a Unix socket, which a verify "
                         "service on this host then uses instead of gRPC (default auto: "
@@ -42,7 +46,8 @@ def config(args: argparse.Namespace):
         env = envelope_from(args.envelope, args.depth, args.topk, args.nodes)
         cfg = DraftConfig(method=args.method, envelope=env, model=args.model,
                           **given(args, RUNTIME + ("ngram_max", "ngram_min", "max_sequences",
-                                                   "target_embeddings", "local_socket")))
+                                                   "target_embeddings", "local_socket",
+                                                   "draft_sampling")))
         if cfg.method == "eagle3":
             from draft_service.eagle3_head import embedding_source
             embedding_source(resolve_model(cfg.model), cfg.target_embeddings)

@@ -118,6 +118,7 @@ class Eagle3Proposer(KVDrafter):
         self.head(fb, self.cache, self.ops, self.head.features(feats))
 
     def _step_fn(self, tokens: torch.Tensor, count: torch.Tensor, ctx0: torch.Tensor,
-                 table: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                 table: torch.Tensor, feats: torch.Tensor,
+                 sampling: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         return eagle3_step(self.head, self.cache, self.ops, self.env, self._depths, tokens,
-                           count, ctx0, table, feats)
+                           count, ctx0, table, feats, sampling)

@@ -16,16 +16,20 @@ from common.forward_batch import device_forward_batch, padded_chain_batch
 from common.kv_cache import PagedKVCache
 from common.tree import TreeEnvelope
 from draft_service.eagle3_head import Eagle3Head
+from draft_service.model_step import scores
 from draft_service.tree_build import Expansion
 
 
 def expand_eagle3(head: Eagle3Head, cache: PagedKVCache, ops: ModuleType, env: TreeEnvelope,
                   depths: list[torch.Tensor], root: torch.Tensor, ctx: torch.Tensor,
-                  table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  table: torch.Tensor, sampling: list[torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """root [B, H]: the catch-up's output at each newest pair; ctx [B] int32
-    committed pairs (the tree is scratch after them); table [B, P] -> tokens,
-    parents [B, N] (target ids)."""
-    exp = Expansion(head.logits(root, ops).log_softmax(-1), env.topk, env.depth)
+    committed pairs (the tree is scratch after them; level-1 tokens sit at token
+    position ctx + 1); table [B, P] -> tokens, parents [B, N] (target ids)."""
+    ids = head.to_target(torch.arange(head.spec.draft_vocab_size, device=root.device))
+    lp, pick = scores(head.logits(root, ops), sampling, ctx + 1, ids)
+    exp = Expansion(lp, env.topk, env.depth, pick)
     b, k, hid = root.shape[0], env.topk, root.shape[-1]
     prev = root.new_zeros(b, 0, hid)               # [B, (level-1)*K, H] last chunk's outputs
     for level in range(1, env.depth):
@@ -36,16 +40,16 @@ def expand_eagle3(head: Eagle3Head, cache: PagedKVCache, ops: ModuleType, env: T
                                   cache.block_size)
         prev = head(fb, cache, ops, hin.view(b * level * k, hid)).view(b, level * k, hid)
         newest = prev[:, (level - 1) * k:]                              # [B, K, H]
-        logp = head.logits(newest.reshape(b * k, -1), ops).log_softmax(-1)
-        exp.grow(level, logp.view(b, k, -1))
+        logits = head.logits(newest.reshape(b * k, -1), ops).view(b, k, -1)
+        exp.grow(level, *scores(logits, sampling, ctx + 1 + level, ids))
     t, p, _ = exp.rerank(env.num_nodes)
     return head.to_target(t), p
 
 
 def eagle3_step(head: Eagle3Head, cache: PagedKVCache, ops: ModuleType, env: TreeEnvelope,
                 depths: list[torch.Tensor], tokens: torch.Tensor, count: torch.Tensor,
-                ctx0: torch.Tensor, table: torch.Tensor, feats: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                ctx0: torch.Tensor, table: torch.Tensor, feats: torch.Tensor,
+                sampling: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [B, C] int64 and feats [B, C, F]: row b's first count[b] (>= 1) new
     pairs (token, target features), written from pair position ctx0[b] on; the
     tail is padding (it sees only itself and writes slots the expansion
@@ -54,4 +58,4 @@ def eagle3_step(head: Eagle3Head, cache: PagedKVCache, ops: ModuleType, env: Tre
     fb = padded_chain_batch(tokens, count, ctx0, table, cache.block_size)
     out = head(fb, cache, ops, head.features(feats.reshape(b * c, -1)))          # [B*C, H]
     root = out.view(b, c, -1)[torch.arange(b, device=tokens.device), count.long() - 1]
-    return expand_eagle3(head, cache, ops, env, depths, root, ctx0 + count, table)
+    return expand_eagle3(head, cache, ops, env, depths, root, ctx0 + count, table, sampling)

@@ -10,6 +10,8 @@ cache of them per sequence and checks every update against it:
 * ``accepted_nodes`` reach the proposer only when ``accepted_step_id`` names the
   step whose tree this engine emitted for that sequence last; otherwise the
   proposer recomputes;
+* a ``full`` update of a sampling request carries its parameters, kept for the
+  proposer (unless ``--draft-sampling deterministic``);
 * ``released`` ids are forgotten before the batch is processed; past
   ``max_sequences`` the least recently used state is evicted (it will resync).
 
@@ -30,6 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from common.errors import InvalidRequest
+from common.sampling import SamplingParams
 from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
 from common.tree import TreeBatch, TreeEnvelope
 from draft_service.config import DraftConfig
@@ -44,6 +47,7 @@ log = logging.getLogger(__name__)
 class _SeqState:
     tokens: list[int]               # committed tokens, prompt included
     tree_step: int | None = None    # step id of the last tree emitted for it
+    sampling: SamplingParams | None = None  # a sampling request's, from its full update
 
 
 def check_request(req: SpecRequest, env: TreeEnvelope, vocab_size: int) -> None:
@@ -114,7 +118,9 @@ class DraftEngine:
             trees = TreeBatch.padding(len(ids), self.env.num_nodes)
             if live:
                 tp0 = time.time_ns()
-                trees = self.proposer.propose([ids[r] for r in live]).scatter(live, len(ids))
+                trees = self.proposer.propose(
+                    [ids[r] for r in live], self._sampling([ids[r] for r in live]))
+                trees = trees.scatter(live, len(ids))
                 tp1 = time.time_ns()
         except Exception:
             self.release(ids)   # never leave a half-applied state behind
@@ -133,7 +139,7 @@ class DraftEngine:
         """Bring one sequence up to date; False if it must resync."""
         if u.full:
             self.release([u.seq_id])
-            st = self._seqs[u.seq_id] = _SeqState(list(u.new_tokens))
+            st = self._seqs[u.seq_id] = _SeqState(list(u.new_tokens), sampling=u.sampling)
             self.proposer.update(u.seq_id, st.tokens, len(st.tokens), [], u.hidden)
             return True
         st = self._seqs.get(u.seq_id)
@@ -147,6 +153,14 @@ class DraftEngine:
         self.proposer.update(u.seq_id, st.tokens, len(u.new_tokens),
                              u.accepted_nodes if fresh else [], u.hidden)
         return True
+
+    def _sampling(self, seq_ids: list[int]) -> list[SamplingParams | None] | None:
+        """Each row's sampling (None: greedy), or None when no row samples or the
+        drafter is to draft every row as greedy (--draft-sampling deterministic)."""
+        rows = [self._seqs[s].sampling for s in seq_ids]
+        if self.cfg.draft_sampling == "deterministic" or all(p is None for p in rows):
+            return None
+        return rows
 
     def _evict(self) -> set[int]:
         """Drop least recently used states beyond max_sequences."""

@@ -17,7 +17,9 @@ units have draft KV. One step over the batch:
    rerank, all on the device. In steady state a row brings the accepted path and
    the bonus token, at most depth + 1 units, so a step is one replay.
 
-``DraftGraphs`` pads a step to its batch bucket and replays one graph per (batch
+A batch with a sampling row drafts it with the request's seeded noise
+(common.sampling.draft_scores through tree_build.Expansion). ``DraftGraphs`` pads a
+step to its batch bucket and replays one graph per (greedy or sampled, batch
 bucket, page bucket); on the CPU the same function runs eagerly over the same
 buffers.
 """
@@ -37,6 +39,7 @@ from common.block_manager import OutOfPages
 from common.devices import bind_device, pick_device, pick_dtype
 from common.graph_buckets import BucketedGraphs
 from common.kv_cache import PagedKVCache, SeqPages
+from common.sampling import GREEDY, SamplingParams, as_tensors
 from common.tree import TreeBatch, TreeEnvelope
 
 log = logging.getLogger("treespec.draft")
@@ -53,9 +56,10 @@ class DraftSeq:
 
 class DraftGraphs:
     """A drafter's step ``fn(tokens [B, C] int64, count [B] int32, ctx0 [B] int32,
-    table [B, P] int32, *extras [B, C, ...])`` captured per (batch bucket, page
-    bucket): row b's first count[b] units are written from ctx0[b] on, the rest
-    is padding."""
+    table [B, P] int32, *extras [B, C, ...], sampling=None)`` captured per (batch
+    bucket, page bucket), and again with sampling (each row's [temperature, top_k,
+    top_p, min_p, seed] [B]; padding rows greedy) for batches where a row samples:
+    row b's first count[b] units are written from ctx0[b] on, the rest is padding."""
 
     def __init__(self, cache: PagedKVCache, catch_up_len: int,
                  fn: Callable[..., tuple[torch.Tensor, ...]], extras: list[Extra],
@@ -66,10 +70,12 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def __call__(self, new_tokens: list[list[int]], new_extras: list[list[torch.Tensor]],
-                 pages: list[SeqPages]) -> tuple[torch.Tensor, ...]:
+                 pages: list[SeqPages], sampling: list[SamplingParams | None] | None = None
+                 ) -> tuple[torch.Tensor, ...]:
         """Row r's units: new_tokens[r] (1 .. catch_up_len) with new_extras[r][k]
-        [same, *shape of extra k] on the device, written from pages[r].kv_len on.
-        Returns fn's outputs for the real rows (advancing kv_len is the caller's)."""
+        [same, *shape of extra k] on the device, written from pages[r].kv_len on;
+        sampling[r] row r's (None: greedy). Returns fn's outputs for the real rows
+        (advancing kv_len is the caller's)."""
         gb, dev, c = self.buckets, self.cache.device, self.catch_up_len
         real = len(pages)
         b, p, table = gb.shape(pages)
@@ -81,14 +87,24 @@ class DraftGraphs:
                 x[r, :rows[k].shape[0]] = rows[k]
             extras.append(x)
 
+        per_row = [] if sampling is None else as_tensors(
+            [q or GREEDY for q in sampling] + [GREEDY] * (b - real), dev)
+
         def example(bb: int) -> list[torch.Tensor]:
             return [torch.zeros((bb, c), dtype=torch.int64, device=dev),
                     torch.ones(bb, dtype=torch.int32, device=dev),
                     torch.zeros(bb, dtype=torch.int32, device=dev), gb.table_example(bb, p),
                     *[torch.zeros((bb, c, *shape), dtype=dtype, device=dev)
-                      for shape, dtype in self.extras]]
+                      for shape, dtype in self.extras],
+                    *[x[:1].expand(bb).contiguous() for x in per_row]]
 
-        out = gb.get("step", b, p, example, self.fn)(tokens, count, ctx0, table, *extras)
+        n = 4 + len(self.extras)
+
+        def fn(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return self.fn(*xs[:n], sampling=list(xs[n:]) or None)
+
+        family = "step" if sampling is None else "step-sampled"
+        out = gb.get(family, b, p, example, fn)(tokens, count, ctx0, table, *extras, *per_row)
         return tuple(x[:real].clone() for x in out)
 
 
@@ -142,7 +158,8 @@ class KVDrafter:
         raise NotImplementedError
 
     def _step_fn(self, tokens: torch.Tensor, count: torch.Tensor, ctx0: torch.Tensor,
-                 table: torch.Tensor, *extras: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                 table: torch.Tensor, *extras: torch.Tensor,
+                 sampling: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
     def _before_step(self) -> None:
@@ -168,12 +185,17 @@ class KVDrafter:
         if st is not None:
             self.cache.release(st.pages)
 
-    def propose(self, seq_ids: list[int]) -> TreeBatch:
+    def propose(self, seq_ids: list[int],
+                sampling: list[SamplingParams | None] | None = None) -> TreeBatch:
         self._before_step()
         rows = self._reserve(seq_ids)
         if not rows:
             return TreeBatch.padding(len(seq_ids), self.env.num_nodes)
-        return self._draft([self._seqs[seq_ids[r]] for r in rows]).scatter(rows, len(seq_ids))
+        picked = None if sampling is None else [sampling[r] for r in rows]
+        if picked is not None and all(q is None for q in picked):
+            picked = None
+        trees = self._draft([self._seqs[seq_ids[r]] for r in rows], picked)
+        return trees.scatter(rows, len(seq_ids))
 
     def _reserve(self, seq_ids: list[int]) -> list[int]:
         """Rows that can draft: at least one unit, and pages for all units plus the
@@ -208,7 +230,8 @@ class KVDrafter:
                         self.cache.blocks.num_blocks, self.cache.block_size, seq_id, self._short)
 
     @torch.inference_mode()
-    def _draft(self, seqs: list[DraftSeq]) -> TreeBatch:
+    def _draft(self, seqs: list[DraftSeq], sampling: list[SamplingParams | None] | None
+               ) -> TreeBatch:
         c = self.graphs.catch_up_len
         units = [self._units(st) for st in seqs]
         for st, u in zip(seqs, units):
@@ -221,7 +244,7 @@ class KVDrafter:
                 st.pages.kv_len = hi
         inputs = [self._inputs(st, st.pages.kv_len, u) for st, u in zip(seqs, units)]
         out = self.graphs([t for t, _ in inputs], [x for _, x in inputs],
-                          [st.pages for st in seqs])
+                          [st.pages for st in seqs], sampling)
         for st, u in zip(seqs, units):
             st.pages.kv_len = u
         self._drafted(seqs, out)
@@ -231,8 +254,9 @@ class KVDrafter:
         """Run what first requests run: first syncs of several lengths, a decode-sized
         step after each, and a batch, so that Triton compiles and CUDA graph captures
         (seconds on a GPU) happen before serving, not inside a step the verify service
-        waits for under its deadline. Sequences get ids no engine hands out (< 0) and
-        are released: no state or page is left behind. Returns the seconds taken."""
+        waits for under its deadline; the batch's second step samples. Sequences get
+        ids no engine hands out (< 0) and are released: no state or page is left
+        behind. Returns the seconds taken."""
         t0 = time.perf_counter()
         groups = [[n] for n in lengths] + [[lengths[0]] * batch]
         for g, sizes in enumerate(groups):
@@ -242,7 +266,8 @@ class KVDrafter:
             self.propose(ids)
             for sid, n in zip(ids, sizes):
                 self.update(sid, [1] * (n + 1), 1, [], None)
-            self.propose(ids)
+            sampled = [SamplingParams(temperature=1.0)] * len(ids) if len(ids) > 1 else None
+            self.propose(ids, sampled)
             for sid in ids:
                 self.release(sid)
         return time.perf_counter() - t0

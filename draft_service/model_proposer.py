@@ -108,9 +108,10 @@ class ModelProposer(KVDrafter):
         self.net(fb, self.cache, self.ops)
 
     def _step_fn(self, tokens: torch.Tensor, count: torch.Tensor, ctx0: torch.Tensor,
-                 table: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                 table: torch.Tensor, sampling: list[torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, ...]:
         return catch_up_and_expand(self.net, self.cache, self.ops, self.env, self._depths,
-                                   tokens, count, ctx0, table)
+                                   tokens, count, ctx0, table, sampling)
 
     def _before_step(self) -> None:
         """The accepted paths' KV moves owed since the last step, in one kernel."""

@@ -17,6 +17,7 @@ from common.forward_batch import device_forward_batch, padded_chain_batch
 from common.kv_cache import PagedKVCache
 from common.qwen3 import Qwen3Model
 from common.tree import TreeEnvelope
+from common.sampling import draft_scores
 from draft_service.tree_build import Expansion
 
 
@@ -27,25 +28,42 @@ def level_depths(env: TreeEnvelope, device: torch.device) -> list[torch.Tensor]:
             for level in range(1, env.depth)]
 
 
+def scores(logits: torch.Tensor, sampling: list[torch.Tensor] | None, position: torch.Tensor,
+           ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs, picks) of logits [B, K, V] (or [B, V]) whose tokens would sit at
+    position [B] of their sequences: picks only when the batch samples (sampling: each
+    row's [temperature, top_k, top_p, min_p, seed], common.sampling.as_tensors)."""
+    if sampling is None:
+        return logits.float().log_softmax(-1), None
+    k = logits.shape[1] if logits.dim() == 3 else 1
+    rows = [x.repeat_interleave(k) for x in (*sampling, position)]
+    lp, pick = draft_scores(logits.reshape(-1, logits.shape[-1]), *rows, ids=ids)
+    return lp.view(logits.shape), pick.view(logits.shape)
+
+
 def expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType, env: TreeEnvelope,
-           depths: list[torch.Tensor], logp: torch.Tensor, ctx: torch.Tensor,
-           table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logp [B, V] root next-token log-probs, ctx [B] int32 draft kv_len (the root's
-    KV written), table [B, P] int32 -> tokens, parents [B, N] int32, chunk_pos [B, N]."""
-    b = logp.shape[0]
-    exp = Expansion(logp, env.topk, env.depth)
+           depths: list[torch.Tensor], root_logits: torch.Tensor, ctx: torch.Tensor,
+           table: torch.Tensor, sampling: list[torch.Tensor] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """root_logits [B, V] the root's next-token logits, ctx [B] int32 draft kv_len (the
+    root's KV written: level-1 tokens sit at position ctx), table [B, P] int32 ->
+    tokens, parents [B, N] int32, chunk_pos [B, N]."""
+    b = root_logits.shape[0]
+    lp, pick = scores(root_logits, sampling, ctx)
+    exp = Expansion(lp, env.topk, env.depth, pick)
     for level in range(1, env.depth):
         tok, par, _ = exp.chunk(level)                                    # [B, level*K]
         fb = device_forward_batch(tok, par, depths[level - 1], ctx, table, cache.block_size)
         hidden, _ = net(fb, cache, ops)                                   # [B*level*K, H]
         newest = hidden.view(b, level * env.topk, -1)[:, (level - 1) * env.topk:]
-        exp.grow(level, net.logits(newest).log_softmax(-1))               # [B, K, V]
+        exp.grow(level, *scores(net.logits(newest), sampling, ctx + level))   # [B, K, V]
     return exp.rerank(env.num_nodes)
 
 
 def catch_up_and_expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType,
                         env: TreeEnvelope, depths: list[torch.Tensor], tokens: torch.Tensor,
-                        count: torch.Tensor, ctx0: torch.Tensor, table: torch.Tensor
+                        count: torch.Tensor, ctx0: torch.Tensor, table: torch.Tensor,
+                        sampling: list[torch.Tensor] | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """tokens [B, C] int64 whose first count[b] (>= 1) are row b's uncommitted
     tokens, ctx0 [B] int32 the draft KV length before them, table [B, P] int32
@@ -57,5 +75,5 @@ def catch_up_and_expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType,
     fb = padded_chain_batch(tokens, count, ctx0, table, cache.block_size)
     hidden, _ = net(fb, cache, ops)                                              # [B*C, H]
     last = hidden.view(b, c, -1)[torch.arange(b, device=tokens.device), count.long() - 1]
-    logp = net.logits(last).log_softmax(-1)                                      # [B, V]
-    return expand(net, cache, ops, env, depths, logp, ctx0 + count, table)
+    return expand(net, cache, ops, env, depths, net.logits(last), ctx0 + count, table,
+                  sampling)

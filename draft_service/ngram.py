@@ -89,7 +89,7 @@ class NgramProposer:
             new_count = len(tokens)
         index.extend(tokens[len(tokens) - new_count:])
 
-    def propose(self, seq_ids: list[int]) -> TreeBatch:
+    def propose(self, seq_ids: list[int], sampling=None) -> TreeBatch:
         rows_t, rows_p = [], []
         d = self.env.depth
         for s in seq_ids:

@@ -16,8 +16,11 @@ Calling convention, per speculative step:
    them only when they refer to that tree. ``hidden`` is
    ``[new_count, layers * hidden]`` target states, only for proposers that name
    ``target_hidden_layers``;
-3. ``propose(seq_ids)`` once for the batch: a ``TreeBatch`` with rows in
-   ``seq_ids`` order (host tensors, the proposer's to give away).
+3. ``propose(seq_ids, sampling)`` once for the batch: a ``TreeBatch`` with rows in
+   ``seq_ids`` order (host tensors, the proposer's to give away). ``sampling`` is
+   None when every row is greedy, else each row's resolved SamplingParams (None for
+   a greedy row): a drafter that can picks the children of a sampling row's nodes
+   as common.sampling.draft_scores does; one that cannot (n-gram) ignores it.
 
 A proposer must tolerate anything the engine lets through (a state it dropped on
 its own, accepted nodes that do not match): it recomputes rather than fails. A
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from common.sampling import SamplingParams
 from common.tree import TreeBatch
 
 if TYPE_CHECKING:
@@ -52,6 +56,7 @@ class Proposer(Protocol):
     def update(self, seq_id: int, tokens: list[int], new_count: int,
                accepted_nodes: list[int], hidden: torch.Tensor | None) -> None: ...
 
-    def propose(self, seq_ids: list[int]) -> TreeBatch: ...
+    def propose(self, seq_ids: list[int],
+                sampling: list[SamplingParams | None] | None = None) -> TreeBatch: ...
 
     def release(self, seq_id: int) -> None: ...

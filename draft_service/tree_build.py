@@ -11,6 +11,10 @@ shapes never depend on the data:
   become the next frontier. Frontier nodes of levels 1 .. depth-1 are what the
   draft forwards: one tree chunk holding all of them, frontier of level l at
   chunk positions ``(l-1)*K .. l*K - 1``;
+* a row that samples (common.sampling.draft_scores) chooses each node's K children
+  by their picks, the log-probs plus the Gumbel noise the target draws with: a draw
+  without replacement whose first child is the target's draw wherever the two
+  models agree; scores stay cumulative log-probs;
 * rerank: the best ``num_nodes`` candidates by cumulative log-prob. A child
   never outscores its parent (log-probs are <= 0) and ties go to the lower id,
   which is the shallower node, so the kept set is ancestor-closed and its
@@ -36,7 +40,8 @@ class Expansion:
     the expansion chunk (-1 = never forwarded), frontier [B, K] newest frontier.
     """
 
-    def __init__(self, root_logp: torch.Tensor, topk: int, depth: int) -> None:
+    def __init__(self, root_logp: torch.Tensor, topk: int, depth: int,
+                 root_pick: torch.Tensor | None = None) -> None:
         b, dev = root_logp.shape[0], root_logp.device
         k = self.topk = topk
         self.depth = depth
@@ -46,7 +51,7 @@ class Expansion:
         self.parents = torch.full((b, m), -1, dtype=torch.long, device=dev)
         self.chunk_pos = torch.full((b, m), -1, dtype=torch.long, device=dev)
         self.chunk_ids = torch.zeros(b, (depth - 1) * k, dtype=torch.long, device=dev)
-        lp, tok = root_logp.float().topk(k, dim=-1)                     # [B, K]
+        lp, tok = _top(root_logp, root_pick, k)                         # [B, K]
         self.tokens[:, :k] = tok
         self.scores[:, :k] = _clean(lp)
         self.frontier = torch.arange(k, device=dev).expand(b, k)        # [B, K]
@@ -72,11 +77,13 @@ class Expansion:
         cpar = torch.where(par >= 0, self.chunk_pos.gather(1, par.clamp(min=0)), -1)
         return tok, cpar, [lv for lv in range(level) for _ in range(self.topk)]
 
-    def grow(self, level: int, logp: torch.Tensor) -> None:
+    def grow(self, level: int, logp: torch.Tensor, pick: torch.Tensor | None = None) -> None:
         """Add level + 1 from logp [B, K, V], the next-token log-probs of the
-        level-`level` frontier (chunk positions (level-1)*K .. level*K - 1)."""
+        level-`level` frontier (chunk positions (level-1)*K .. level*K - 1); pick
+        (same shape) chooses the children when given (common.sampling.draft_scores),
+        else the log-probs do."""
         b, k = self.frontier.shape
-        lp, tok = logp.float().topk(k, dim=-1)                          # [B, K, K]
+        lp, tok = _top(logp, pick, k)                                   # [B, K, K]
         score = self.scores.gather(1, self.frontier).unsqueeze(-1) + _clean(lp)
         ids = k + (level - 1) * k * k + torch.arange(k * k, device=lp.device)
         self.tokens[:, ids] = tok.reshape(b, k * k)
@@ -101,6 +108,15 @@ class Expansion:
         parents = torch.where(par >= 0, pos_of.gather(1, par.clamp(min=0)), -1)
         return (self.tokens.gather(1, keep).to(torch.int32), parents.to(torch.int32),
                 self.chunk_pos.gather(1, keep))
+
+
+def _top(logp: torch.Tensor, pick: torch.Tensor | None, k: int
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k children by pick (by log-prob without one): their log-probs and tokens."""
+    if pick is None:
+        return logp.float().topk(k, dim=-1)
+    tok = pick.topk(k, dim=-1).indices
+    return logp.float().gather(-1, tok), tok
 
 
 def _clean(logp: torch.Tensor) -> torch.Tensor:

@@ -242,11 +242,14 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel noise [R, vocab] float32 for rows keyed (seed [R], position [R]) int64:
-    g = -log(-log(u)), u uniform in (0, 1) from a hash of (seed, position, token id).
-    Counter-based: the same key gives the same noise on any device, in any batch."""
+def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, ids: torch.Tensor | int
+                 ) -> torch.Tensor:
+    """Gumbel noise [R, V] float32 for rows keyed (seed [R], position [R]) int64 and
+    token ids [V] (an int V: ids 0 .. V-1): g = -log(-log(u)), u uniform in (0, 1) from
+    a hash of (seed, position, token id). Counter-based: the same key gives the same
+    noise on any device, in any batch, for a token whatever else is drawn beside it."""
     key = _mix32(_mix32(seed.long()) ^ position.long())
-    ids = torch.arange(vocab, device=seed.device, dtype=torch.int64)
-    u = ((_mix32(key.unsqueeze(-1) ^ ids) >> 8).float() + 0.5) / (1 << 24)
+    if isinstance(ids, int):
+        ids = torch.arange(ids, device=seed.device, dtype=torch.int64)
+    u = ((_mix32(key.unsqueeze(-1) ^ ids.long()) >> 8).float() + 0.5) / (1 << 24)
     return -torch.log(-torch.log(u))

@@ -50,7 +50,7 @@ class Spy:
     def update(self, seq_id, tokens, new_count, accepted_nodes, hidden):
         self.updates.append((seq_id, list(tokens), new_count, list(accepted_nodes)))
 
-    def propose(self, seq_ids):
+    def propose(self, seq_ids, sampling=None):
         if self.fail:
             raise RuntimeError("proposer bug")
         t = torch.zeros(len(seq_ids), N, dtype=torch.int32)

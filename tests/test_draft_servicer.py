@@ -170,9 +170,9 @@ def test_light_proposers_step_on_the_event_loop_others_on_the_worker(method, dra
     async def body(ch, engine):
         propose = engine.proposer.propose
 
-        def spy(seq_ids):
+        def spy(seq_ids, sampling=None):
             threads.append(threading.current_thread().name)
-            return propose(seq_ids)
+            return propose(seq_ids, sampling)
         engine.proposer.propose = spy
         loop_thread = threading.current_thread().name
         got = await stream(pb_grpc.DrafterStub(ch), [req(1, [full(1, [1, 2, 3, 1, 2])])])

@@ -81,11 +81,11 @@ def test_late_drafter_keeps_hidden_rows_aligned(target_dir, head_dir, slow_call)
             prop = h["draft_engine"].proposer
             propose, calls = prop.propose, [0]
 
-            def late(ids):
+            def late(ids, sampling=None):
                 calls[0] += 1
                 if calls[0] in (slow_call, slow_call + 3):
                     time.sleep(0.1)
-                return propose(ids)
+                return propose(ids, sampling)
             prop.propose = late
             async with AsyncTreespecClient(h["addr"]) as c:
                 outs = [await c.generate(prompt_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True)

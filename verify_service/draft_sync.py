@@ -10,7 +10,8 @@ released since the last request.
 
 Example: step 5 sends seq 3 in full, [1, 2, 3]; the target accepts node 0 of its
 tree and adds a bonus, committing [1, 2, 3, 8, 9]; step 6 sends seq 3 new_tokens
-[8, 9], committed_len 5, accepted_nodes [0] of step 5.
+[8, 9], committed_len 5, accepted_nodes [0] of step 5. A sampling request's full
+update carries its resolved parameters: the drafter draws with the same seeded noise.
 
 Target hidden states, for a drafter that reads them (EAGLE-3), travel once per
 committed token: an update's row i is the state at the token *before*
@@ -97,7 +98,8 @@ class DraftSync:
             out.request.seqs.append(SeqUpdate(
                 seq_id=s.seq_id, committed_len=end, new_tokens=s.tokens[sent:end],
                 full=sent == 0, accepted_nodes=s.accepted_path if c is not None else [],
-                accepted_step_id=c.tree_step if c is not None else 0))
+                accepted_step_id=c.tree_step if c is not None else 0,
+                sampling=s.sampling if sent == 0 and not s.sampling.greedy else None))
         if parts:
             for u, r in zip(out.request.seqs, to_host(parts, self._staging)):
                 u.hidden = r

@@ -1,0 +1,88 @@
+"""Drafters that sample with the request's own noise (coupled drafting).
+
+A model drafter picks a sampling row's children by log-prob plus the Gumbel noise the
+target draws with at that position (common.sampling.draft_scores), so its first
+child is the target's very draw wherever the two distributions agree: a drafter that
+*is* the target has every chain node accepted at any temperature, while top-k
+drafting (--draft-sampling deterministic) misses whenever the draw is not the argmax.
+Either way coupled acceptance gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from common.client import AsyncTreespecClient
+from common.sampling import draft_scores, draw
+from inproc import services
+from test_eagle3 import head_dir  # noqa: F401  (fixture)
+from kernels.reference import gumbel_noise
+
+PROMPT = [5, 17, 40, 2, 66, 9]
+SEEDS = range(20, 28)
+TOKENS = 24
+
+
+def test_the_first_pick_is_the_targets_draw_and_ids_key_the_noise():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 40, generator=g) * 2
+    rows = [torch.tensor([1.0, 0.7, 1.3, 0.0, 1.0, 0.5]), torch.tensor([0, 5, 0, 0, 3, 0]),
+            torch.tensor([1.0, 1.0, 0.8, 1.0, 1.0, 0.9]), torch.tensor([0, 0, 0.05, 0, 0, 0]),
+            torch.arange(6) * 11, torch.arange(6) + 30]
+    lp, pick = draft_scores(logits, *rows)
+    assert torch.equal(pick.argmax(-1), draw(logits, *rows))
+    assert torch.equal(lp[3], logits[3].log_softmax(-1))            # T 0: plain log-probs
+    assert torch.equal(pick[3], lp[3])
+    sub = torch.tensor([3, 9, 33])              # a drafter's columns are target ids 3, 9, 33
+    _, sub_pick = draft_scores(logits[:, sub], *rows, ids=sub)
+    noise = gumbel_noise(rows[4], rows[5], 40)[:, sub]
+    kept = sub_pick[0] - noise[0]
+    assert torch.allclose(kept - kept.logsumexp(0), logits[0, sub].log_softmax(0), atol=1e-5)
+
+
+async def _run(target_dir, draft_sampling: str) -> tuple[list[list[int]], float]:
+    async with services(target_dir, "model", target_dir, "chain4",
+                        draft_kw=dict(draft_sampling=draft_sampling)) as h:
+        async with AsyncTreespecClient(h["addr"]) as c:
+            outs = await asyncio.gather(*[
+                c.generate(prompt_ids=PROMPT, max_tokens=TOKENS, ignore_eos=True, seed=s,
+                           temperature=1.0) for s in SEEDS])
+    steps = sum(o.stats["steps"] for o in outs)
+    assert all(o.stats["fallback_steps"] == 0 for o in outs)
+    return [o.token_ids for o in outs], sum(len(o.token_ids) - 1 for o in outs) / steps
+
+
+def test_the_target_as_its_own_coupled_drafter_has_every_node_accepted(target_dir):
+    coupled, per_step = asyncio.run(_run(target_dir, "coupled"))
+    top_k, top_k_per_step = asyncio.run(_run(target_dir, "deterministic"))
+    assert coupled == top_k                      # coupled acceptance: the drafter never matters
+    assert len({tuple(t) for t in coupled}) == len(SEEDS)           # and the seeds do
+    assert per_step >= 4.5, per_step             # chain4: 5 tokens a step at most
+    assert top_k_per_step < per_step - 1, (top_k_per_step, per_step)
+
+
+MIXED = [dict(temperature=0.8, top_k=20, seed=3), dict(), dict(temperature=1.0, seed=4),
+         dict(temperature=0.6, top_p=0.9, min_p=0.05, seed=5)]
+
+
+async def _mixed(target_dir, method, draft) -> tuple[list[list[int]], int]:
+    async with services(target_dir, method, draft, "tree-small") as h:
+        async with AsyncTreespecClient(h["addr"]) as c:
+            outs = await asyncio.gather(*[
+                c.generate(prompt_ids=PROMPT, max_tokens=TOKENS, ignore_eos=True, **kw)
+                for kw in MIXED])
+        assert h["engine"].kv_pages_used == 0
+    return [o.token_ids for o in outs], sum(o.stats["accepted_tokens"] for o in outs)
+
+
+def test_a_mixed_batch_gives_the_same_tokens_with_every_drafter(target_dir, draft_dir,
+                                                                head_dir):
+    """Greedy and sampling rows in one batch, each drafter drafting the sampling rows
+    with their noise: the tokens are those of plain decode with the same seeds."""
+    plain, _ = asyncio.run(_mixed(target_dir, None, None))
+    for method, draft in (("ngram", None), ("model", draft_dir), ("eagle3", head_dir)):
+        got, accepted = asyncio.run(_mixed(target_dir, method, draft))
+        assert got == plain, method
+        assert method == "ngram" or accepted > 0, method
