@@ -47,16 +47,17 @@ run)
         drafters) timeout "${DRAFTERS_S:-560}" python3 bench/drafters.py \
                       --out "$OUT/drafters.json" --work /tmp/bw-drafters ${DRAFTERS_ARGS:-} \
                       >>"$log" 2>&1 ;;
+        dstep) timeout "${DSTEP_S:-240}" python3 bench/drafter_step.py \
+                   --out "$OUT/drafter_step.json" --work /tmp/bw-drafters ${DSTEP_ARGS:-} \
+                   >>"$log" 2>&1 ;;
         profile) timeout "${PROFILE_S:-120}" python3 bench/profile_step.py --out "$OUT" \
                      >>"$log" 2>&1 ;;
         attention) timeout "${ATTN_S:-150}" python3 bench/attention_probe.py \
                        --out "$OUT/attention_probe.json" >>"$log" 2>&1 ;;
-        cold) timeout "${COLD_S:-90}" python3 bench/cold_probe.py --out "$OUT/cold_probe.json" \
-                  >>"$log" 2>&1 ;;
-        ab) timeout "${AB_S:-570}" python3 bench/transport_ab.py --out "$OUT/transport_ab.json" \
-                --work /tmp/bw ${AB_ARGS:-} >>"$log" 2>&1 ;;
-        hop) timeout "${HOP_S:-120}" python3 bench/hop_probe.py --out "$OUT/hop_probe.json" \
-                 >>"$log" 2>&1 ;;
+        accept) timeout "${ACCEPT_S:-120}" python3 bench/accept.py --device cuda --files 4 \
+                    --prompt-tokens 128 --max-tokens 48 --envelopes chain4,tree-small \
+                    --methods model,eagle3 --json "$OUT/accept.json" ${ACCEPT_ARGS:-} \
+                    >>"$log" 2>&1 ;;
         esac
         echo "rc=$? ($(date +%T))" >>"$log"
     done

@@ -99,32 +99,52 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
          top_p: torch.Tensor, min_p: torch.Tensor, seed: torch.Tensor,
-         position: torch.Tensor) -> torch.Tensor:
+         position: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
     """The token each row draws [R] int64 (the argmax where T is 0). logits [R, V]
     (any float dtype), parameters [R], seed [R] and position [R] (the index in its
-    sequence of the token being drawn) int64."""
+    sequence of the token being drawn) int64; kept: filter_logits' result when the
+    caller has it."""
     greedy = logits.argmax(-1)
-    scores = filter_logits(logits.float(), temperature, top_k, top_p, min_p)
+    scores = filter_logits(logits.float(), temperature, top_k, top_p, min_p) \
+        if kept is None else kept
     sampled = (scores + gumbel_noise(seed, position, logits.shape[-1])).argmax(-1)
     return torch.where(temperature > 0, sampled, greedy)
 
 
+# A drafter's q under rejection sampling: its filtered distribution's DRAFT_Q likeliest
+# tokens, renormalized (sparse, so exact: the draft draws from exactly this q).
+DRAFT_Q = 32
+
+
 def draft_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, min_p: torch.Tensor, seed: torch.Tensor,
-                 position: torch.Tensor, ids: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A drafter's (log-probs, picks) [R, V] for rows drawing as ``draw`` does: a greedy
-    row's are its log-softmax, both; a sampling row's log-probs are those of its
-    filtered distribution, its picks those plus the Gumbel noise of (seed, position).
-    The largest picks of a row are a draw without replacement, the first the very
-    token ``draw`` takes from the same logits and key: a drafter that picks this way
-    proposes what the target draws wherever their distributions agree. ids [V]: the
-    target's ids of the logits' columns (a drafter with a vocabulary of its own)."""
+                 position: torch.Tensor, rejection: torch.Tensor,
+                 ids: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How a drafter scores and picks the children of rows [R] with logits [R, V]:
+    (log-probs, picks) [R, V] and the sparse q (ids, probs) [R, DRAFT_Q].
+
+    A greedy row's log-probs and picks are its log-softmax. A sampling row's log-probs
+    are those of its filtered distribution and its picks those plus the Gumbel noise
+    of (seed, position): the largest picks are a draw without replacement whose first
+    is the very token ``draw`` takes from the same logits and key (coupled acceptance:
+    the draft proposes what the target draws wherever their distributions agree). A
+    rejection row (rejection [R] bool) draws the same way from q, its filtered
+    distribution cut to the DRAFT_Q likeliest tokens, and gets q back (other rows'
+    q is zeros). ids [V]: the target's ids of the logits' columns (a drafter with a
+    vocabulary of its own); q's ids are target ids."""
     lp = logits.float().log_softmax(-1)
-    kept = filter_logits(logits.float(), temperature, top_k, top_p, min_p)
-    noisy = kept + gumbel_noise(seed, position, logits.shape[-1] if ids is None else ids)
+    kept = filter_logits(logits.float(), temperature, top_k, top_p, min_p).log_softmax(-1)
+    top, at = kept.topk(min(DRAFT_Q, kept.shape[-1]), dim=-1)
+    top = top - top.logsumexp(-1, keepdim=True)
+    cut = torch.full_like(kept, float("-inf")).scatter(-1, at, top)
     sampled = (temperature > 0).unsqueeze(-1)
-    return torch.where(sampled, kept.log_softmax(-1), lp), torch.where(sampled, noisy, lp)
+    rej = rejection.unsqueeze(-1) & sampled
+    base = torch.where(rej, cut, torch.where(sampled, kept, lp))
+    noise = gumbel_noise(seed, position, logits.shape[-1] if ids is None else ids)
+    q_ids = (at if ids is None else ids[at]).to(torch.int32)
+    return (base, torch.where(sampled, base + noise, lp), torch.where(rej, q_ids, 0),
+            torch.where(rej, top.exp(), 0.0))
 
 
 def as_tensors(params: list[SamplingParams], device: torch.device) -> list[torch.Tensor]:

@@ -24,6 +24,7 @@ class SeqUpdate:
     accepted_step_id: int = 0
     hidden: torch.Tensor | None = None  # [len(new_tokens), layers * hidden]
     sampling: SamplingParams | None = None  # full updates of a sampling request only
+    rejection: bool = False       # with sampling: accepted by rejection sampling (else coupled)
 
 
 @dataclass

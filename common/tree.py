@@ -143,16 +143,30 @@ def node_depths(parents: torch.Tensor) -> torch.Tensor:
     return depth
 
 
+MAX_Q = 64      # the most entries a node's sparse q may have
+
+
 def validate_tree(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: int,
-                  vocab_size: int) -> str | None:
+                  vocab_size: int, q_ids: torch.Tensor | None = None,
+                  q_probs: torch.Tensor | None = None) -> str | None:
     """Why a proposed tree is unusable, or None if it is well formed.
 
-    tokens, parents: [B, N] int32 on the host. Checks shape, parent order (a
-    parent comes before its child and is not padding) and token range. When a
+    tokens, parents: [B, N] int32 on the host; q_ids, q_probs [B, N, Q] when sent.
+    Checks shape, parent order (a parent comes before its child and is not padding),
+    token range and, for q, its shape, ids and probabilities (finite, >= 0). When a
     batch has several flaws, the message names the first kind in that order.
     """
     if tokens.dim() != 2 or tokens.shape != parents.shape or tokens.shape[1] != num_nodes:
         return f"tree tensors must be [B, {num_nodes}], got {tuple(tokens.shape)} / {tuple(parents.shape)}"
+    if q_ids is not None:
+        if (q_ids.dim() != 3 or q_ids.shape != q_probs.shape
+                or q_ids.shape[:2] != tokens.shape or not 1 <= q_ids.shape[2] <= MAX_Q):
+            return (f"q tensors must be [B, {num_nodes}, Q <= {MAX_Q}], got "
+                    f"{tuple(q_ids.shape)} / {tuple(q_probs.shape)}")
+        if ((q_ids < 0) | (q_ids >= vocab_size)).any():
+            return f"a q id is outside the vocabulary [0, {vocab_size})"
+        if not (torch.isfinite(q_probs) & (q_probs >= 0)).all():
+            return "a q probability is negative or not finite"
     p, t = parents.cpu().numpy(), tokens.cpu().numpy()
     bad_parent = (p < PAD) | (p >= np.arange(num_nodes))
     up = p[np.arange(p.shape[0])[:, None], np.clip(p, 0, max(num_nodes - 1, 0))]

@@ -45,6 +45,7 @@ def spec_request_to_pb(r: SpecRequest) -> pb.SpeculateRequest:
             p = u.sampling
             s.sampling.CopyFrom(pb.SamplingParams(temperature=p.temperature, top_k=p.top_k,
                                                   top_p=p.top_p, min_p=p.min_p, seed=p.seed))
+            s.rejection_sampling = u.rejection
     return m
 
 
@@ -55,7 +56,8 @@ def spec_request_from_pb(m: pb.SpeculateRequest) -> SpecRequest:
                       accepted_step_id=u.accepted_step_id,
                       hidden=codec.decode(u.hidden_states)
                       if u.HasField("hidden_states") else None,
-                      sampling=_sampling(u.sampling) if u.HasField("sampling") else None)
+                      sampling=_sampling(u.sampling) if u.HasField("sampling") else None,
+                      rejection=u.rejection_sampling)
             for u in m.sequences]
     return SpecRequest(step_id=m.step_id, seqs=seqs, released=list(m.released),
                        trace_context=dict(m.trace_context))
@@ -68,14 +70,23 @@ def _sampling(m: pb.SamplingParams) -> SamplingParams:
 
 
 def response_to_pb(r: SpecResponse) -> pb.Proposal:
-    return pb.Proposal(step_id=r.step_id, seq_ids=r.seq_ids,
-                       tokens=codec.encode(r.trees.tokens.to(torch.int32)),
-                       parents=codec.encode(r.trees.parents.to(torch.int32)), resync=r.resync)
+    t = r.trees
+    m = pb.Proposal(step_id=r.step_id, seq_ids=r.seq_ids,
+                    tokens=codec.encode(t.tokens.to(torch.int32)),
+                    parents=codec.encode(t.parents.to(torch.int32)), resync=r.resync)
+    if t.q_ids is not None:
+        m.q_ids.CopyFrom(codec.encode(t.q_ids.to(torch.int32)))
+        m.q_probs.CopyFrom(codec.encode(t.q_probs.to(torch.float32)))
+    return m
 
 
 def response_from_pb(m: pb.Proposal) -> SpecResponse:
     """Raises codec.CodecError on tensors that are not int32 of matching shape."""
     tokens = codec.decode(m.tokens, expect_dtype=torch.int32)
     parents = codec.decode(m.parents, expect_dtype=torch.int32)
-    return SpecResponse(step_id=m.step_id, seq_ids=list(m.seq_ids),
-                        trees=TreeBatch(tokens, parents), resync=list(m.resync))
+    trees = TreeBatch(tokens, parents)
+    if m.HasField("q_ids"):
+        trees.q_ids = codec.decode(m.q_ids, expect_dtype=torch.int32)
+        trees.q_probs = codec.decode(m.q_probs, expect_dtype=torch.float32)
+    return SpecResponse(step_id=m.step_id, seq_ids=list(m.seq_ids), trees=trees,
+                        resync=list(m.resync))

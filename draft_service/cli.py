@@ -24,10 +24,10 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--ngram-max", type=int, help="longest suffix the n-gram proposer matches")
     d.add_argument("--ngram-min", type=int, help="shortest suffix the n-gram proposer matches")
     d.add_argument("--max-sequences", type=int, help="sequences whose state the draft keeps")
-    d.add_argument("--draft-sampling", choices=["coupled", "deterministic"],
-                   help="how model drafters draft a sampling request: coupled (default: "
-                        "children picked with the request's seeded noise, as the target "
-                        "draws) or deterministic (the top-k by log-prob, as for greedy)")
+    d.add_argument("--draft-sampling", choices=["sample", "deterministic"],
+                   help="how model drafters draft a sampling request: sample (default: "
+                        "they draw with the request's seeded noise, as its acceptance "
+                        "needs) or deterministic (the top-k by log-prob, as for greedy)")
     d.add_argument("--local-socket", metavar="auto|off|PATH",
                    help="also serve the per-step stream on a Unix socket, which a verify "
                         "service on this host then uses instead of gRPC (default auto: "

@@ -19,9 +19,9 @@ class DraftConfig(ServiceConfig):
     ngram_max: int = 4                # longest suffix the n-gram proposer matches
     ngram_min: int = 1
     max_sequences: int = 256          # sequences whose state the draft keeps
-    # how a model drafter drafts a sampling request: coupled (the request's seeded
-    # noise picks each node's children) or deterministic (top-k by log-prob)
-    draft_sampling: str = "coupled"
+    # how a model drafter drafts a sampling request: sample (with the request's seeded
+    # noise, as its acceptance needs) or deterministic (top-k by log-prob)
+    draft_sampling: str = "sample"
     # also serve Speculate on a Unix socket for a verify service on this host: auto
     # (an abstract socket named after the instance, on Linux; reachable only inside
     # this network namespace, so other hosts and containers keep gRPC), off, or a
@@ -45,8 +45,8 @@ class DraftConfig(ServiceConfig):
             raise ValueError(f"--method {self.method} needs --model")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
-        if self.draft_sampling not in ("coupled", "deterministic"):
-            raise ValueError("--draft-sampling wants coupled or deterministic, got "
+        if self.draft_sampling not in ("sample", "deterministic"):
+            raise ValueError("--draft-sampling wants sample or deterministic, got "
                              f"{self.draft_sampling!r}")
         if self.max_sequences < 1:
             raise ValueError("max_sequences must be >= 1")

@@ -23,13 +23,15 @@ from draft_service.tree_build import Expansion
 def expand_eagle3(head: Eagle3Head, cache: PagedKVCache, ops: ModuleType, env: TreeEnvelope,
                   depths: list[torch.Tensor], root: torch.Tensor, ctx: torch.Tensor,
                   table: torch.Tensor, sampling: list[torch.Tensor] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, ...]:
     """root [B, H]: the catch-up's output at each newest pair; ctx [B] int32
     committed pairs (the tree is scratch after them; level-1 tokens sit at token
-    position ctx + 1); table [B, P] -> tokens, parents [B, N] (target ids)."""
+    position ctx + 1); table [B, P] -> tokens, parents [B, N] (target ids) and, when
+    sampling, q_ids (target ids), q_probs [B, N, Q]."""
     ids = head.to_target(torch.arange(head.spec.draft_vocab_size, device=root.device))
-    lp, pick = scores(head.logits(root, ops), sampling, ctx + 1, ids)
-    exp = Expansion(lp, env.topk, env.depth, pick)
+    lp, pick, q = scores(head.logits(root, ops), sampling, ctx + 1, ids)
+    exp = Expansion(lp, env.topk, env.depth, pick, q,
+                    static=None if sampling is None else sampling[0] > 0)
     b, k, hid = root.shape[0], env.topk, root.shape[-1]
     prev = root.new_zeros(b, 0, hid)               # [B, (level-1)*K, H] last chunk's outputs
     for level in range(1, env.depth):
@@ -42,14 +44,14 @@ def expand_eagle3(head: Eagle3Head, cache: PagedKVCache, ops: ModuleType, env: T
         newest = prev[:, (level - 1) * k:]                              # [B, K, H]
         logits = head.logits(newest.reshape(b * k, -1), ops).view(b, k, -1)
         exp.grow(level, *scores(logits, sampling, ctx + 1 + level, ids))
-    t, p, _ = exp.rerank(env.num_nodes)
-    return head.to_target(t), p
+    t, p, _, *q = exp.rerank(env.num_nodes)
+    return (head.to_target(t), p, *q)
 
 
 def eagle3_step(head: Eagle3Head, cache: PagedKVCache, ops: ModuleType, env: TreeEnvelope,
                 depths: list[torch.Tensor], tokens: torch.Tensor, count: torch.Tensor,
                 ctx0: torch.Tensor, table: torch.Tensor, feats: torch.Tensor,
-                sampling: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                sampling: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """tokens [B, C] int64 and feats [B, C, F]: row b's first count[b] (>= 1) new
     pairs (token, target features), written from pair position ctx0[b] on; the
     tail is padding (it sees only itself and writes slots the expansion

@@ -10,8 +10,9 @@ cache of them per sequence and checks every update against it:
 * ``accepted_nodes`` reach the proposer only when ``accepted_step_id`` names the
   step whose tree this engine emitted for that sequence last; otherwise the
   proposer recomputes;
-* a ``full`` update of a sampling request carries its parameters, kept for the
-  proposer (unless ``--draft-sampling deterministic``);
+* a ``full`` update of a sampling request carries its parameters and acceptance
+  (rejection sampling or coupled), kept for the proposer (unless
+  ``--draft-sampling deterministic``);
 * ``released`` ids are forgotten before the batch is processed; past
   ``max_sequences`` the least recently used state is evicted (it will resync).
 
@@ -32,12 +33,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from common.errors import InvalidRequest
-from common.sampling import SamplingParams
 from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
 from common.tree import TreeBatch, TreeEnvelope
 from draft_service.config import DraftConfig
 from draft_service.observer import DraftObserver, DraftStepRecord, NullDraftObserver
-from draft_service.proposer import Proposer
+from draft_service.proposer import Proposer, RowSampling
 from draft_service.registry import build_proposer
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 class _SeqState:
     tokens: list[int]               # committed tokens, prompt included
     tree_step: int | None = None    # step id of the last tree emitted for it
-    sampling: SamplingParams | None = None  # a sampling request's, from its full update
+    sampling: RowSampling | None = None  # a sampling request's, from its full update
 
 
 def check_request(req: SpecRequest, env: TreeEnvelope, vocab_size: int) -> None:
@@ -139,7 +139,9 @@ class DraftEngine:
         """Bring one sequence up to date; False if it must resync."""
         if u.full:
             self.release([u.seq_id])
-            st = self._seqs[u.seq_id] = _SeqState(list(u.new_tokens), sampling=u.sampling)
+            st = self._seqs[u.seq_id] = _SeqState(
+                list(u.new_tokens),
+                sampling=RowSampling(u.sampling, u.rejection) if u.sampling else None)
             self.proposer.update(u.seq_id, st.tokens, len(st.tokens), [], u.hidden)
             return True
         st = self._seqs.get(u.seq_id)
@@ -154,7 +156,7 @@ class DraftEngine:
                              u.accepted_nodes if fresh else [], u.hidden)
         return True
 
-    def _sampling(self, seq_ids: list[int]) -> list[SamplingParams | None] | None:
+    def _sampling(self, seq_ids: list[int]) -> list[RowSampling | None] | None:
         """Each row's sampling (None: greedy), or None when no row samples or the
         drafter is to draft every row as greedy (--draft-sampling deterministic)."""
         rows = [self._seqs[s].sampling for s in seq_ids]

@@ -41,6 +41,7 @@ from common.graph_buckets import BucketedGraphs
 from common.kv_cache import PagedKVCache, SeqPages
 from common.sampling import GREEDY, SamplingParams, as_tensors
 from common.tree import TreeBatch, TreeEnvelope
+from draft_service.proposer import RowSampling
 
 log = logging.getLogger("treespec.draft")
 
@@ -58,8 +59,10 @@ class DraftGraphs:
     """A drafter's step ``fn(tokens [B, C] int64, count [B] int32, ctx0 [B] int32,
     table [B, P] int32, *extras [B, C, ...], sampling=None)`` captured per (batch
     bucket, page bucket), and again with sampling (each row's [temperature, top_k,
-    top_p, min_p, seed] [B]; padding rows greedy) for batches where a row samples:
-    row b's first count[b] units are written from ctx0[b] on, the rest is padding."""
+    top_p, min_p, seed] and rejection flag [B]; padding rows greedy) for batches
+    where a row samples: row b's first count[b] units are written from ctx0[b] on,
+    the rest is padding. A sampled step's last two outputs are the trees' q_ids and
+    q_probs."""
 
     def __init__(self, cache: PagedKVCache, catch_up_len: int,
                  fn: Callable[..., tuple[torch.Tensor, ...]], extras: list[Extra],
@@ -70,7 +73,7 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def __call__(self, new_tokens: list[list[int]], new_extras: list[list[torch.Tensor]],
-                 pages: list[SeqPages], sampling: list[SamplingParams | None] | None = None
+                 pages: list[SeqPages], sampling: list[RowSampling | None] | None = None
                  ) -> tuple[torch.Tensor, ...]:
         """Row r's units: new_tokens[r] (1 .. catch_up_len) with new_extras[r][k]
         [same, *shape of extra k] on the device, written from pages[r].kv_len on;
@@ -87,8 +90,11 @@ class DraftGraphs:
                 x[r, :rows[k].shape[0]] = rows[k]
             extras.append(x)
 
-        per_row = [] if sampling is None else as_tensors(
-            [q or GREEDY for q in sampling] + [GREEDY] * (b - real), dev)
+        per_row = []
+        if sampling is not None:
+            rows = sampling + [None] * (b - real)
+            per_row = as_tensors([r.params if r else GREEDY for r in rows], dev) + [
+                torch.tensor([bool(r and r.rejection) for r in rows], device=dev)]
 
         def example(bb: int) -> list[torch.Tensor]:
             return [torch.zeros((bb, c), dtype=torch.int64, device=dev),
@@ -186,7 +192,7 @@ class KVDrafter:
             self.cache.release(st.pages)
 
     def propose(self, seq_ids: list[int],
-                sampling: list[SamplingParams | None] | None = None) -> TreeBatch:
+                sampling: list[RowSampling | None] | None = None) -> TreeBatch:
         self._before_step()
         rows = self._reserve(seq_ids)
         if not rows:
@@ -230,7 +236,7 @@ class KVDrafter:
                         self.cache.blocks.num_blocks, self.cache.block_size, seq_id, self._short)
 
     @torch.inference_mode()
-    def _draft(self, seqs: list[DraftSeq], sampling: list[SamplingParams | None] | None
+    def _draft(self, seqs: list[DraftSeq], sampling: list[RowSampling | None] | None
                ) -> TreeBatch:
         c = self.graphs.catch_up_len
         units = [self._units(st) for st in seqs]
@@ -248,7 +254,10 @@ class KVDrafter:
         for st, u in zip(seqs, units):
             st.pages.kv_len = u
         self._drafted(seqs, out)
-        return TreeBatch(out[0].cpu(), out[1].cpu())
+        trees = TreeBatch(out[0].cpu(), out[1].cpu())
+        if sampling is not None and any(r and r.rejection for r in sampling):
+            trees.q_ids, trees.q_probs = out[-2].cpu(), out[-1].cpu()
+        return trees
 
     def warm_up(self, lengths: tuple[int, ...] = (8, 200, 1100), batch: int = 8) -> float:
         """Run what first requests run: first syncs of several lengths, a decode-sized
@@ -266,7 +275,9 @@ class KVDrafter:
             self.propose(ids)
             for sid, n in zip(ids, sizes):
                 self.update(sid, [1] * (n + 1), 1, [], None)
-            sampled = [SamplingParams(temperature=1.0)] * len(ids) if len(ids) > 1 else None
+            sampled = None if len(ids) == 1 else [  # both drafting ways, in one batch
+                RowSampling(SamplingParams(temperature=1.0), rejection=bool(i % 2))
+                for i in range(len(ids))]
             self.propose(ids, sampled)
             for sid in ids:
                 self.release(sid)

@@ -129,7 +129,7 @@ class ModelProposer(KVDrafter):
                                 torch.tensor(dst, dtype=torch.int64, device=dev))
 
     def _drafted(self, seqs: list[_Seq], out: tuple[torch.Tensor, ...]) -> None:
-        for st, tt, pp, cc in zip(seqs, *(x.tolist() for x in out)):
+        for st, tt, pp, cc in zip(seqs, *(x.tolist() for x in out[:3])):
             st.tree_base = len(st.tokens)
             st.tree_tokens, st.tree_parents, st.tree_chunk = tt, pp, cc
 

@@ -29,28 +29,35 @@ def level_depths(env: TreeEnvelope, device: torch.device) -> list[torch.Tensor]:
 
 
 def scores(logits: torch.Tensor, sampling: list[torch.Tensor] | None, position: torch.Tensor,
-           ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log-probs, picks) of logits [B, K, V] (or [B, V]) whose tokens would sit at
-    position [B] of their sequences: picks only when the batch samples (sampling: each
-    row's [temperature, top_k, top_p, min_p, seed], common.sampling.as_tensors)."""
+           ids: torch.Tensor | None = None) -> tuple:
+    """(log-probs, picks, q) of logits [B, K, V] (or [B, V]) whose tokens would sit at
+    position [B] of their sequences (common.sampling.draft_scores): picks and q only
+    when the batch samples (sampling: each row's [temperature, top_k, top_p, min_p,
+    seed] (common.sampling.as_tensors) and rejection flag), q as (ids, probs)."""
     if sampling is None:
-        return logits.float().log_softmax(-1), None
+        return logits.float().log_softmax(-1), None, None
     k = logits.shape[1] if logits.dim() == 3 else 1
     rows = [x.repeat_interleave(k) for x in (*sampling, position)]
-    lp, pick = draft_scores(logits.reshape(-1, logits.shape[-1]), *rows, ids=ids)
-    return lp.view(logits.shape), pick.view(logits.shape)
+    params, rejection, pos = rows[:5], rows[5], rows[6]
+    lp, pick, qi, qp = draft_scores(logits.reshape(-1, logits.shape[-1]), *params, pos,
+                                    rejection, ids=ids)
+    lead = logits.shape[:-1]
+    return lp.view(logits.shape), pick.view(logits.shape), (qi.view(*lead, -1),
+                                                            qp.view(*lead, -1))
 
 
 def expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType, env: TreeEnvelope,
            depths: list[torch.Tensor], root_logits: torch.Tensor, ctx: torch.Tensor,
            table: torch.Tensor, sampling: list[torch.Tensor] | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           ) -> tuple[torch.Tensor, ...]:
     """root_logits [B, V] the root's next-token logits, ctx [B] int32 draft kv_len (the
     root's KV written: level-1 tokens sit at position ctx), table [B, P] int32 ->
-    tokens, parents [B, N] int32, chunk_pos [B, N]."""
+    tokens, parents [B, N] int32, chunk_pos [B, N] (and, sampling, q_ids, q_probs
+    [B, N, Q])."""
     b = root_logits.shape[0]
-    lp, pick = scores(root_logits, sampling, ctx)
-    exp = Expansion(lp, env.topk, env.depth, pick)
+    lp, pick, q = scores(root_logits, sampling, ctx)
+    exp = Expansion(lp, env.topk, env.depth, pick, q,
+                    static=None if sampling is None else sampling[0] > 0)
     for level in range(1, env.depth):
         tok, par, _ = exp.chunk(level)                                    # [B, level*K]
         fb = device_forward_batch(tok, par, depths[level - 1], ctx, table, cache.block_size)
@@ -64,7 +71,7 @@ def catch_up_and_expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType,
                         env: TreeEnvelope, depths: list[torch.Tensor], tokens: torch.Tensor,
                         count: torch.Tensor, ctx0: torch.Tensor, table: torch.Tensor,
                         sampling: list[torch.Tensor] | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        ) -> tuple[torch.Tensor, ...]:
     """tokens [B, C] int64 whose first count[b] (>= 1) are row b's uncommitted
     tokens, ctx0 [B] int32 the draft KV length before them, table [B, P] int32
     covering ctx0 + C + the expansion's scratch -> expand's outputs. The tail past

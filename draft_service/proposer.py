@@ -18,9 +18,9 @@ Calling convention, per speculative step:
    ``target_hidden_layers``;
 3. ``propose(seq_ids, sampling)`` once for the batch: a ``TreeBatch`` with rows in
    ``seq_ids`` order (host tensors, the proposer's to give away). ``sampling`` is
-   None when every row is greedy, else each row's resolved SamplingParams (None for
-   a greedy row): a drafter that can picks the children of a sampling row's nodes
-   as common.sampling.draft_scores does; one that cannot (n-gram) ignores it.
+   None when every row is greedy, else each row's RowSampling (None for a greedy
+   row): a drafter that can picks the children of a sampling row's nodes as
+   common.sampling.draft_scores does; one that cannot (n-gram) ignores it.
 
 A proposer must tolerate anything the engine lets through (a state it dropped on
 its own, accepted nodes that do not match): it recomputes rather than fails. A
@@ -30,6 +30,7 @@ draft_service/registry.py.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -39,6 +40,15 @@ from common.tree import TreeBatch
 
 if TYPE_CHECKING:
     from draft_service.config import DraftConfig
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """How a sampling request's row drafts: its resolved parameters, and whether the
+    verify accepts its nodes by rejection sampling (then the tree's shape must not
+    depend on what is drawn, and each node's q goes back) or coupled."""
+    params: SamplingParams
+    rejection: bool = False
 
 
 class Proposer(Protocol):
@@ -57,6 +67,6 @@ class Proposer(Protocol):
                accepted_nodes: list[int], hidden: torch.Tensor | None) -> None: ...
 
     def propose(self, seq_ids: list[int],
-                sampling: list[SamplingParams | None] | None = None) -> TreeBatch: ...
+                sampling: list[RowSampling | None] | None = None) -> TreeBatch: ...
 
     def release(self, seq_id: int) -> None: ...

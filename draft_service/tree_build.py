@@ -14,7 +14,12 @@ shapes never depend on the data:
 * a row that samples (common.sampling.draft_scores) chooses each node's K children
   by their picks, the log-probs plus the Gumbel noise the target draws with: a draw
   without replacement whose first child is the target's draw wherever the two
-  models agree; scores stay cumulative log-probs;
+  models agree. Such a row is *static*: its i-th child (in pick order) scores
+  ``ln 0.8 + i ln 0.2`` whatever its token, so the tree's shape never depends on
+  what was drawn (rejection sampling, common/rejection.py, needs that; coupled
+  acceptance gains by it, since the first picks are the likeliest accepted): a
+  main chain of first children, later siblings where they fit. Each node keeps the
+  q its siblings were drawn from (``q_ids``, ``q_probs``) when given;
 * rerank: the best ``num_nodes`` candidates by cumulative log-prob. A child
   never outscores its parent (log-probs are <= 0) and ties go to the lower id,
   which is the shallower node, so the kept set is ancestor-closed and its
@@ -29,6 +34,8 @@ Example, topk 2, depth 2 (M = 6), num_nodes 3, root log-probs a: -0.1, b: -1.0::
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -41,8 +48,12 @@ class Expansion:
     """
 
     def __init__(self, root_logp: torch.Tensor, topk: int, depth: int,
-                 root_pick: torch.Tensor | None = None) -> None:
+                 root_pick: torch.Tensor | None = None,
+                 root_q: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 static: torch.Tensor | None = None) -> None:
+        """root_q: the root's q (ids, probs) [B, Q]; static [B] bool: sampling rows."""
         b, dev = root_logp.shape[0], root_logp.device
+        self.static = static
         k = self.topk = topk
         self.depth = depth
         m = k + (depth - 1) * k * k
@@ -51,7 +62,12 @@ class Expansion:
         self.parents = torch.full((b, m), -1, dtype=torch.long, device=dev)
         self.chunk_pos = torch.full((b, m), -1, dtype=torch.long, device=dev)
         self.chunk_ids = torch.zeros(b, (depth - 1) * k, dtype=torch.long, device=dev)
-        lp, tok = _top(root_logp, root_pick, k)                         # [B, K]
+        self.q = None
+        if root_q is not None:
+            self.q = [x.new_zeros((b, m, x.shape[-1])) for x in root_q]     # [B, M, Q]
+            for mine, x in zip(self.q, root_q):
+                mine[:, :k] = x.unsqueeze(1)
+        lp, tok = self._top(root_logp, root_pick, k)                    # [B, K]
         self.tokens[:, :k] = tok
         self.scores[:, :k] = _clean(lp)
         self.frontier = torch.arange(k, device=dev).expand(b, k)        # [B, K]
@@ -77,28 +93,33 @@ class Expansion:
         cpar = torch.where(par >= 0, self.chunk_pos.gather(1, par.clamp(min=0)), -1)
         return tok, cpar, [lv for lv in range(level) for _ in range(self.topk)]
 
-    def grow(self, level: int, logp: torch.Tensor, pick: torch.Tensor | None = None) -> None:
+    def grow(self, level: int, logp: torch.Tensor, pick: torch.Tensor | None = None,
+             q: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Add level + 1 from logp [B, K, V], the next-token log-probs of the
         level-`level` frontier (chunk positions (level-1)*K .. level*K - 1); pick
         (same shape) chooses the children when given (common.sampling.draft_scores),
-        else the log-probs do."""
+        else the log-probs do; q (ids, probs) [B, K, Q] each frontier node's q."""
         b, k = self.frontier.shape
-        lp, tok = _top(logp, pick, k)                                   # [B, K, K]
+        lp, tok = self._top(logp, pick, k)                              # [B, K, K]
         score = self.scores.gather(1, self.frontier).unsqueeze(-1) + _clean(lp)
         ids = k + (level - 1) * k * k + torch.arange(k * k, device=lp.device)
         self.tokens[:, ids] = tok.reshape(b, k * k)
         self.scores[:, ids] = score.reshape(b, k * k)
         self.parents[:, ids] = self.frontier.unsqueeze(-1).expand(b, k, k).reshape(b, k * k)
+        if self.q is not None and q is not None:
+            for mine, x in zip(self.q, q):          # siblings share their parent's q
+                mine[:, ids] = x.unsqueeze(2).expand(-1, -1, k, -1).reshape(b, k * k, -1)
         if level + 1 < self.depth:
             best = score.reshape(b, k * k).topk(k, dim=-1).indices      # [B, K]
             self.frontier = ids[best]
             self._enter_chunk(level + 1, self.frontier)
 
-    def rerank(self, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def rerank(self, num_nodes: int) -> tuple[torch.Tensor, ...]:
         """The best num_nodes candidates, best first (a topological order).
 
         Returns tokens [B, N] int32, parents [B, N] int32 (-1 = root, else an
-        earlier node) and chunk_pos [B, N] int64 of each emitted node.
+        earlier node) and chunk_pos [B, N] int64 of each emitted node, then (when
+        given q) each node's q_ids, q_probs [B, N, Q].
         """
         b, _ = self.scores.shape
         keep = self.scores.sort(dim=1, descending=True, stable=True).indices[:, :num_nodes]
@@ -106,17 +127,27 @@ class Expansion:
         pos_of.scatter_(1, keep, torch.arange(num_nodes, device=keep.device).expand(b, num_nodes))
         par = self.parents.gather(1, keep)
         parents = torch.where(par >= 0, pos_of.gather(1, par.clamp(min=0)), -1)
-        return (self.tokens.gather(1, keep).to(torch.int32), parents.to(torch.int32),
-                self.chunk_pos.gather(1, keep))
+        out = (self.tokens.gather(1, keep).to(torch.int32), parents.to(torch.int32),
+               self.chunk_pos.gather(1, keep))
+        if self.q is None:
+            return out
+        at = keep.unsqueeze(-1).expand(-1, -1, self.q[0].shape[-1])
+        return (*out, *(x.gather(1, at) for x in self.q))
 
-
-def _top(logp: torch.Tensor, pick: torch.Tensor | None, k: int
-         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k children by pick (by log-prob without one): their log-probs and tokens."""
-    if pick is None:
-        return logp.float().topk(k, dim=-1)
-    tok = pick.topk(k, dim=-1).indices
-    return logp.float().gather(-1, tok), tok
+    def _top(self, logp: torch.Tensor, pick: torch.Tensor | None, k: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k children by pick (by log-prob without one): their scores (a static
+        row's by rank) and tokens."""
+        if pick is None:
+            return logp.float().topk(k, dim=-1)
+        tok = pick.topk(k, dim=-1).indices
+        lp = logp.float().gather(-1, tok)
+        if self.static is None:
+            return lp, tok
+        rank = math.log(0.8) + math.log(0.2) * torch.arange(k, device=lp.device,
+                                                             dtype=lp.dtype)
+        static = self.static.view(-1, *[1] * (lp.dim() - 1))
+        return torch.where(static, rank, lp), tok
 
 
 def _clean(logp: torch.Tensor) -> torch.Tensor:

@@ -242,14 +242,19 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, ids: torch.Tensor | int
-                 ) -> torch.Tensor:
-    """Gumbel noise [R, V] float32 for rows keyed (seed [R], position [R]) int64 and
-    token ids [V] (an int V: ids 0 .. V-1): g = -log(-log(u)), u uniform in (0, 1) from
-    a hash of (seed, position, token id). Counter-based: the same key gives the same
-    noise on any device, in any batch, for a token whatever else is drawn beside it."""
+def uniform_noise(seed: torch.Tensor, position: torch.Tensor, ids: torch.Tensor | int
+                  ) -> torch.Tensor:
+    """Uniforms [R, V] float32 in (0, 1) for rows keyed (seed [R], position [R]) int64
+    and ids [V] (an int V: ids 0 .. V-1), from a hash of (seed, position, id).
+    Counter-based: the same key gives the same number on any device, in any batch,
+    for an id whatever else is drawn beside it."""
     key = _mix32(_mix32(seed.long()) ^ position.long())
     if isinstance(ids, int):
         ids = torch.arange(ids, device=seed.device, dtype=torch.int64)
-    u = ((_mix32(key.unsqueeze(-1) ^ ids.long()) >> 8).float() + 0.5) / (1 << 24)
-    return -torch.log(-torch.log(u))
+    return ((_mix32(key.unsqueeze(-1) ^ ids.long()) >> 8).float() + 0.5) / (1 << 24)
+
+
+def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, ids: torch.Tensor | int
+                 ) -> torch.Tensor:
+    """Gumbel noise [R, V]: -log(-log(u)) of uniform_noise's u (token ids as ids)."""
+    return -torch.log(-torch.log(uniform_noise(seed, position, ids)))

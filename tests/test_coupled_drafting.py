@@ -31,19 +31,29 @@ def test_the_first_pick_is_the_targets_draw_and_ids_key_the_noise():
     rows = [torch.tensor([1.0, 0.7, 1.3, 0.0, 1.0, 0.5]), torch.tensor([0, 5, 0, 0, 3, 0]),
             torch.tensor([1.0, 1.0, 0.8, 1.0, 1.0, 0.9]), torch.tensor([0, 0, 0.05, 0, 0, 0]),
             torch.arange(6) * 11, torch.arange(6) + 30]
-    lp, pick = draft_scores(logits, *rows)
+    coupled = torch.zeros(6, dtype=torch.bool)
+    lp, pick, _, q_probs = draft_scores(logits, *rows, coupled)
     assert torch.equal(pick.argmax(-1), draw(logits, *rows))
     assert torch.equal(lp[3], logits[3].log_softmax(-1))            # T 0: plain log-probs
     assert torch.equal(pick[3], lp[3])
+    assert not q_probs.any()
+    # rejection rows draw from q, the 8 likeliest of their filtered distribution
+    lp, pick, q_ids, q_probs = draft_scores(logits, *rows, ~coupled)
+    assert torch.allclose(q_probs[[0, 1, 2, 4, 5]].sum(-1), torch.ones(5))
+    assert not q_probs[3].any()                                     # T 0: no q
+    for r in (0, 1, 2, 4, 5):
+        inside = torch.zeros(40, dtype=torch.bool)
+        inside[q_ids[r][q_probs[r] > 0].long()] = True
+        assert torch.isinf(pick[r][~inside]).all() and pick[r].argmax() in q_ids[r]
     sub = torch.tensor([3, 9, 33])              # a drafter's columns are target ids 3, 9, 33
-    _, sub_pick = draft_scores(logits[:, sub], *rows, ids=sub)
+    _, sub_pick, _, _ = draft_scores(logits[:, sub], *rows, coupled, ids=sub)
     noise = gumbel_noise(rows[4], rows[5], 40)[:, sub]
     kept = sub_pick[0] - noise[0]
     assert torch.allclose(kept - kept.logsumexp(0), logits[0, sub].log_softmax(0), atol=1e-5)
 
 
 async def _run(target_dir, draft_sampling: str) -> tuple[list[list[int]], float]:
-    async with services(target_dir, "model", target_dir, "chain4",
+    async with services(target_dir, "model", target_dir, "chain4", acceptance="coupled",
                         draft_kw=dict(draft_sampling=draft_sampling)) as h:
         async with AsyncTreespecClient(h["addr"]) as c:
             outs = await asyncio.gather(*[
@@ -55,7 +65,7 @@ async def _run(target_dir, draft_sampling: str) -> tuple[list[list[int]], float]
 
 
 def test_the_target_as_its_own_coupled_drafter_has_every_node_accepted(target_dir):
-    coupled, per_step = asyncio.run(_run(target_dir, "coupled"))
+    coupled, per_step = asyncio.run(_run(target_dir, "sample"))
     top_k, top_k_per_step = asyncio.run(_run(target_dir, "deterministic"))
     assert coupled == top_k                      # coupled acceptance: the drafter never matters
     assert len({tuple(t) for t in coupled}) == len(SEEDS)           # and the seeds do
@@ -68,7 +78,7 @@ MIXED = [dict(temperature=0.8, top_k=20, seed=3), dict(), dict(temperature=1.0, 
 
 
 async def _mixed(target_dir, method, draft) -> tuple[list[list[int]], int]:
-    async with services(target_dir, method, draft, "tree-small") as h:
+    async with services(target_dir, method, draft, "tree-small", acceptance="coupled") as h:
         async with AsyncTreespecClient(h["addr"]) as c:
             outs = await asyncio.gather(*[
                 c.generate(prompt_ids=PROMPT, max_tokens=TOKENS, ignore_eos=True, **kw)

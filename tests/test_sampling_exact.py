@@ -4,9 +4,9 @@ Through both services (real gRPC servers) on the tiny random target: many seeded
 requests, and per position a chi-square test of the tokens drawn against the exact
 marginal that transformers' own model and logits warpers give (position k summed over
 every prefix), for several temperature / top-k / top-p / min-p settings; Benjamini-
-Hochberg at q = 0.05 over all of them. The same test on a deliberately biased
-acceptor (it takes the draft's first token at the root one time in five, whatever the
-target drew) must reject: the test has the power to see a wrong implementation.
+Hochberg at q = 0.05 over all of them; for rejection sampling with both model
+drafters and for coupled acceptance. The same test on a deliberately biased acceptor
+of each kind must reject: the test has the power to see a wrong implementation.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from common.client import AsyncTreespecClient
+from common import rejection
 from inproc import services
 from kernels import reference
+from test_eagle3 import head_dir  # noqa: F401  (fixture)
 
 PROMPT = [5, 17, 40, 2, 66, 9]
 POSITIONS = 3                   # generated tokens tested: the prefill's and two steps'
@@ -89,9 +91,10 @@ def bh_rejects(pvalues: list[float], q: float = 0.05) -> int:
                default=0)
 
 
-async def _draws(target_dir, draft_dir, method: str, s: dict) -> list[list[int]]:
-    async with services(target_dir, method, draft_dir, "chain4", max_batch=64,
-                        num_blocks=2048) as h:
+async def _draws(target_dir, draft, method: str, s: dict, acceptance: str,
+                 envelope: str) -> list[list[int]]:
+    async with services(target_dir, method, draft, envelope, max_batch=64, num_blocks=2048,
+                        acceptance=acceptance) as h:
         async with AsyncTreespecClient(h["addr"]) as c:
             outs = []
             for first in range(SEED0, SEED0 + SAMPLES, 300):
@@ -102,23 +105,39 @@ async def _draws(target_dir, draft_dir, method: str, s: dict) -> list[list[int]]
             return [o.token_ids for o in outs]
 
 
-def pvalues(target_dir, draft_dir, method: str) -> list[float]:
+def pvalues(target_dir, draft, method: str, acceptance: str, envelope: str,
+            settings: list[dict]) -> list[float]:
     out = []
-    for s in SETTINGS:
-        draws = torch.tensor(asyncio.run(_draws(target_dir, draft_dir, method, s)))
+    for s in settings:
+        draws = torch.tensor(asyncio.run(_draws(target_dir, draft, method, s, acceptance,
+                                                envelope)))
         for k, p in enumerate(exact_marginals(target_dir, s)):
             out.append(chi_square_p(torch.bincount(draws[:, k], minlength=p.shape[0]), p))
     return out
 
 
-def test_speculative_samples_follow_the_exact_distribution(target_dir, draft_dir):
-    """The draft model proposes at every step and some of its nodes are accepted (a
-    random prompt gives the n-gram proposer nothing to propose); under coupled
-    acceptance any drafter gives the same tokens (tests/test_cli_e2e.py)."""
-    assert bh_rejects(pvalues(target_dir, draft_dir, "model")) == 0
+# Rejection sampling on trees (siblings drawn without replacement) with both model
+# drafters; coupled acceptance on one setting: its tokens are plain decode's under the
+# same seeds with every drafter (tests/test_coupled_drafting.py), so one drafter shows
+# them exact for all.
+CASES = [("model", "rejection", "tree-small", SETTINGS),
+         ("eagle3", "rejection", "tree-small", SETTINGS[:1]),
+         ("model", "coupled", "chain4", SETTINGS[2:])]
 
 
-def test_the_test_rejects_a_biased_acceptor(target_dir, draft_dir, monkeypatch):
+@pytest.mark.parametrize("method,acceptance,envelope,settings", CASES,
+                         ids=[f"{m}-{a}-{e}" for m, a, e, _ in CASES])
+def test_speculative_samples_follow_the_exact_distribution(target_dir, draft_dir, head_dir,
+                                                           method, acceptance, envelope,
+                                                           settings):
+    """The drafter proposes at every step and some of its nodes are accepted."""
+    draft = head_dir if method == "eagle3" else draft_dir
+    assert bh_rejects(pvalues(target_dir, draft, method, acceptance, envelope, settings)) == 0
+
+
+def test_the_test_rejects_a_biased_coupled_acceptor(target_dir, draft_dir, monkeypatch):
+    """It takes the draft's first token at the root one time in five, whatever the
+    target drew."""
     real = reference.accept_greedy
     g = torch.Generator().manual_seed(0)
 
@@ -128,4 +147,15 @@ def test_the_test_rejects_a_biased_acceptor(target_dir, draft_dir, monkeypatch):
         target_ids[:, 0] = torch.where(take, tokens[:, 0].to(target_ids.dtype), target_ids[:, 0])
         return real(tokens, parents, target_ids, depth)
     monkeypatch.setattr(reference, "accept_greedy", biased)
-    assert bh_rejects(pvalues(target_dir, draft_dir, "model")) > 0
+    assert bh_rejects(pvalues(target_dir, draft_dir, "model", "coupled", "chain4",
+                              SETTINGS[:1])) > 0
+
+
+def test_the_test_rejects_rejection_sampling_without_the_check(target_dir, draft_dir,
+                                                               monkeypatch):
+    """Every acceptance uniform 0: a drafted token with any target mass is accepted,
+    min(1, p / q) unchecked."""
+    monkeypatch.setattr(rejection, "uniform_noise",
+                        lambda seed, position, ids: torch.zeros(seed.shape[0], len(ids)))
+    assert bh_rejects(pvalues(target_dir, draft_dir, "model", "rejection", "tree-small",
+                              SETTINGS[:1])) > 0

@@ -25,6 +25,11 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
     v.add_argument("--generation-config", choices=["auto", "none"],
                    help="what a request's unset sampling fields mean: auto (default) the "
                         "checkpoint's generation_config.json (as vLLM), none greedy")
+    v.add_argument("--acceptance", choices=["rejection", "coupled"],
+                   help="how a sampling request's draft nodes are accepted: rejection "
+                        "(default: recursive rejection sampling with the drafter's q) or "
+                        "coupled (iff the node is the target's seeded draw: the same tokens "
+                        "with any drafter or none)")
     v.add_argument("--busy-poll", choices=["auto", "on", "off"],
                    help="wait for the draft's answer and the device without sleeping (one "
                         "busy core while steps run; default auto: on when the device is CUDA)")
@@ -39,7 +44,7 @@ def config(args: argparse.Namespace):
         return VerifyConfig(model=args.model, draft=args.draft, **given(
             args, RUNTIME + ("max_batch", "max_model_len", "prefill_tokens",
                              "step_deadline_ms", "reconnect_s", "draft_socket", "busy_poll",
-                             "generation_config")))
+                             "generation_config", "acceptance")))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

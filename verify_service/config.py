@@ -20,6 +20,9 @@ class VerifyConfig(ServiceConfig):
     draft_socket: str = "auto"        # auto: the draft's local socket if reachable; off: gRPC
     generation_config: str = "auto"   # sampling defaults: auto = the checkpoint's
                                       # generation_config.json; none = greedy
+    acceptance: str = "rejection"     # sampled nodes: rejection (recursive rejection
+                                      # sampling with the drafter's q) or coupled (a node
+                                      # is accepted iff it is the target's seeded draw)
     busy_poll: str = "auto"           # wait for drafts and the device without sleeping:
                                       # auto (on when the device is CUDA), on, off
 
@@ -38,6 +41,8 @@ class VerifyConfig(ServiceConfig):
         if self.generation_config not in ("auto", "none"):
             raise ValueError("generation_config must be auto or none, got "
                              f"{self.generation_config!r}")
+        if self.acceptance not in ("rejection", "coupled"):
+            raise ValueError(f"acceptance must be rejection or coupled, got {self.acceptance!r}")
         if self.busy_poll not in ("auto", "on", "off"):
             raise ValueError(f"busy_poll must be auto, on or off, got {self.busy_poll!r}")
         if self.step_deadline_ms <= 0 or self.reconnect_s <= 0:

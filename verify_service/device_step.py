@@ -3,7 +3,9 @@
 ``fixed_step`` takes [B] roots, [B, N] trees, [B] committed KV lengths and [B, P]
 page tables; it derives depths, positions, slots and the chunk layout from
 ``parents`` on the device, runs the target over [root, nodes], picks the target's
-tokens (its argmax, or a sampling row's seeded draw), walks the trees and compacts every accepted path's KV. Nothing in
+tokens (its argmax, or a sampling row's seeded draw), walks the trees (a row with q
+by rejection sampling, common/rejection.py) and compacts every accepted path's KV.
+Nothing in
 it syncs with the host, and every shape depends only on (B, N, P), so one graph
 per (batch bucket, page bucket) replays it. Rows of padding sequences point at a
 scratch page and have all-padding trees; their results are ignored.
@@ -19,24 +21,29 @@ from common.accept import commit_kv
 from common.forward_batch import device_forward_batch
 from common.kv_cache import PagedKVCache
 from common.qwen3 import Qwen3Model
-from common.sampling import draw
+from common.rejection import accept_rejection
+from common.sampling import draw, filter_logits
 from common.tree import verify_chunk_layout
 
 
 def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: int,
                capture: tuple[int, ...], roots: torch.Tensor, tokens: torch.Tensor,
                parents: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-               sampling: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+               sampling: list[torch.Tensor] | None = None,
+               rejection: tuple[torch.Tensor, torch.Tensor, int] | None = None
+               ) -> tuple[torch.Tensor, ...]:
     """roots [B] int64, tokens/parents [B, N] int32, context_lens [B] int32,
     block_tables [B, P] int32, sampling: None (every row greedy) or each row's
-    [temperature, top_k, top_p, min_p, seed] [B] (common.sampling.as_tensors) ->
+    [temperature, top_k, top_p, min_p, seed] [B] (common.sampling.as_tensors),
+    rejection: None or (q_ids, q_probs [B, N, Q], siblings tried per node) ->
     accepted [B, depth] int32 (padded -1), num_accepted [B] int32, bonus [B] int64 and,
     when capture names target layers, their hidden states at [root, accepted path]
     [B, depth + 1, C] (rows past the path are junk). Advancing kv_len is the caller's.
 
     The target's choice at each node is its argmax, or for a sampling row its draw
     (common.sampling.draw, keyed by the row's seed and the position it predicts), and
-    a node is accepted iff its token is the target's choice at its parent."""
+    a node is accepted iff its token is the target's choice at its parent; a sampling
+    row with q (any nonzero) is accepted by rejection sampling instead."""
     b, n = tokens.shape
     t = n + 1
     chunk_parents, depths = verify_chunk_layout(parents)                 # [B, T]
@@ -50,9 +57,18 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
         target_ids = model.greedy(hidden, ops).view(b, t)                # [B, T]
     else:
         per_row = [x.repeat_interleave(t) for x in sampling]             # [B * T] each
-        target_ids = draw(ops.linear(hidden, model.lm_head.weight), *per_row,
-                          position=fb.positions + 1).view(b, t)
+        logits = ops.linear(hidden, model.lm_head.weight)
+        kept = filter_logits(logits.float(), *per_row[:4])
+        target_ids = draw(logits, *per_row, position=fb.positions + 1, kept=kept).view(b, t)
     accepted, num, bonus = ops.accept_greedy(tokens, parents, target_ids, depth)
+    if rejection is not None and depth:
+        q_ids, q_probs, siblings = rejection
+        probs = kept.softmax(-1).view(b, t, -1)
+        walked = accept_rejection(tokens, parents, probs, q_ids, q_probs, sampling[4],
+                                  (fb.positions + 1).view(b, t), depth, siblings)
+        use = (sampling[0] > 0) & (q_probs.flatten(1) > 0).any(1)
+        accepted, num, bonus = (torch.where(use.view(-1, *[1] * (x.dim() - 1)), w, x)
+                                for w, x in zip(walked, (accepted, num, bonus)))
     if depth:
         commit_kv(cache, ops, accepted, num, context_lens, block_tables)
     if not capture:

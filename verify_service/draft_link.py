@@ -44,7 +44,8 @@ def _settle(fut: asyncio.Future, value: object) -> None:
 
 class DraftLink:
     def __init__(self, addr: str, reconnect_s: float, deadline_s: float, vocab_size: int,
-                 num_layers: int, busy_poll: bool = False, local: bool = True) -> None:
+                 num_layers: int, busy_poll: bool = False, local: bool = True,
+                 rejection: bool = False) -> None:
         self.addr = addr
         self.reconnect_s = reconnect_s
         self.deadline_s = deadline_s
@@ -52,7 +53,7 @@ class DraftLink:
         self.num_layers = num_layers
         self.busy_poll = busy_poll
         self.local = local
-        self.sync = DraftSync()
+        self.sync = DraftSync(rejection=rejection)
         self.carrier = ""                      # "unix socket" or "grpc" while connected
         self._info: DrafterInfo | None = None
         self._call: grpc.aio.StreamStreamCall | frames.FrameStream | None = None
@@ -192,8 +193,12 @@ class DraftLink:
             return Drafted(None, "invalid_proposal", step, stamps)
         self.sync.resync(resp.resync)
         trees, syncing = resp.trees, set(out.syncing)
+        if not self.sync.rejection:         # coupled acceptance never reads q
+            trees.q_ids = trees.q_probs = None
         keep = [j for j, i in enumerate(out.rows) if i not in syncing]
         if syncing:
-            trees = TreeBatch(trees.tokens[keep], trees.parents[keep])
+            trees = TreeBatch(trees.tokens[keep], trees.parents[keep],
+                              *(None if x is None else x[keep]
+                                for x in (trees.q_ids, trees.q_probs)))
         return Drafted(trees.scatter([out.rows[j] for j in keep], len(seqs)), None, step,
                        stamps, out.syncing)

@@ -11,7 +11,8 @@ released since the last request.
 Example: step 5 sends seq 3 in full, [1, 2, 3]; the target accepts node 0 of its
 tree and adds a bonus, committing [1, 2, 3, 8, 9]; step 6 sends seq 3 new_tokens
 [8, 9], committed_len 5, accepted_nodes [0] of step 5. A sampling request's full
-update carries its resolved parameters: the drafter draws with the same seeded noise.
+update carries its resolved parameters (and how its nodes are accepted: rejection
+sampling or coupled), so the drafter draws with the same seeded noise.
 
 Target hidden states, for a drafter that reads them (EAGLE-3), travel once per
 committed token: an update's row i is the state at the token *before*
@@ -58,7 +59,9 @@ class Outgoing:
 
 
 class DraftSync:
-    def __init__(self, max_hidden_bytes: int = MAX_HIDDEN_BYTES) -> None:
+    def __init__(self, max_hidden_bytes: int = MAX_HIDDEN_BYTES, rejection: bool = False
+                 ) -> None:
+        self.rejection = rejection          # sampled nodes are accepted by rejection sampling
         self.epoch = 0                      # draft connections so far
         self.step_id = 0                    # the last request's step id
         self.max_hidden_bytes = max_hidden_bytes
@@ -99,7 +102,8 @@ class DraftSync:
                 seq_id=s.seq_id, committed_len=end, new_tokens=s.tokens[sent:end],
                 full=sent == 0, accepted_nodes=s.accepted_path if c is not None else [],
                 accepted_step_id=c.tree_step if c is not None else 0,
-                sampling=s.sampling if sent == 0 and not s.sampling.greedy else None))
+                sampling=s.sampling if sent == 0 and not s.sampling.greedy else None,
+                rejection=self.rejection))
         if parts:
             for u, r in zip(out.request.seqs, to_host(parts, self._staging)):
                 u.hidden = r

@@ -226,7 +226,8 @@ class VerifyEngine:
         if got.trees is not None:
             t = got.trees
             why = "wrong number of rows" if len(t) != len(rows) else validate_tree(
-                t.tokens, t.parents, self.link.info.envelope.num_nodes, self.spec.vocab_size)
+                t.tokens, t.parents, self.link.info.envelope.num_nodes, self.spec.vocab_size,
+                t.q_ids, t.q_probs)
             if why is not None:
                 log.warning("dropping an invalid proposal: %s", why)
                 return Drafted(None, "invalid_proposal", got.step_id, got.stamps), rows
@@ -242,7 +243,9 @@ class VerifyEngine:
         t1 = time.time_ns()
         trees, depth = None, 0
         if drafted.trees is not None:
-            trees, depth = drafted.trees.scatter(rows, len(seqs)), self.link.info.envelope.depth
+            env = self.link.info.envelope
+            trees, depth = drafted.trees.scatter(rows, len(seqs)), env.depth
+            self.verifier.siblings = env.topk
         res = await self.runner.step([s.pages for s in seqs], [s.tokens[-1] for s in seqs],
                                      trees, depth, [s.sampling for s in seqs])
         t2 = time.time_ns()

@@ -54,7 +54,8 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
     busy = cfg.busy(device.type)
     link = DraftLink(cfg.draft, cfg.reconnect_s, cfg.step_deadline_ms / 1000,
                      model.spec.vocab_size, model.spec.num_layers, busy,
-                     local=cfg.draft_socket != "off") if cfg.draft else None
+                     local=cfg.draft_socket != "off",
+                     rejection=cfg.acceptance == "rejection") if cfg.draft else None
     observer, metrics = build_observer(cfg, tracer_provider)
     gen = path / "generation_config.json"
     defaults = checkpoint_defaults(json.loads(gen.read_text())) \

@@ -34,8 +34,7 @@ class StepRunner:
                    depth: int, params: list[SamplingParams]) -> StepResult:
         """verifier.step, launched from the loop and polled when busy polling and its
         graph is captured (a capture takes seconds: that one runs in the worker)."""
-        n = 0 if trees is None else trees.tokens.shape[1]
-        if not (self.busy_poll and self.verifier.captured(pages, n, params)):
+        if not (self.busy_poll and self.verifier.captured(pages, trees, params)):
             return await self.compute(self.verifier.step, pages, roots, trees, depth, params)
         pending = self.verifier.launch(pages, roots, trees, depth, params)
         await spin_until(pending.ready)

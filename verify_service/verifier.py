@@ -61,6 +61,7 @@ class Verifier:
                  capture: bool = True) -> None:
         self.model, self.cache, self.ops = model, cache, ops
         self.capture_layers: tuple[int, ...] = ()   # target layers a drafter reads
+        self.siblings = 1           # children per node rejection sampling tries (topk)
         self.buckets = BucketedGraphs(cache, capture)
         self._host: dict[torch.Size, torch.Tensor] = {}     # pinned readback buffers
         self._done: torch.cuda.Event | None = None          # readback finished
@@ -94,13 +95,22 @@ class Verifier:
         params say (None: every one greedy); blocks until done."""
         return self.finish(self.launch(pages, roots, trees, depth, params))
 
-    def captured(self, pages: list[SeqPages], n: int,
+    def captured(self, pages: list[SeqPages], trees: TreeBatch | None,
                  params: list[SamplingParams] | None = None) -> bool:
-        """Whether a step of these sequences with n-node trees has its graph already
+        """Whether a step of these sequences with these trees has its graph already
         (reserves the step's slots, as the step would)."""
+        n = 0 if trees is None else trees.tokens.shape[1]
         self._reserve(pages, n)
         b, p = self.buckets.buckets(pages)
-        return ((n, self.capture_layers, _sampled(params)), b, p) in self.buckets.graphs
+        return (self._family(n, params, trees), b, p) in self.buckets.graphs
+
+    def _family(self, n: int, params: list[SamplingParams] | None,
+                trees: TreeBatch | None) -> tuple:
+        """A step graph's family: tree size, captured layers, whether it draws, and
+        for rejection sampling q's width and the siblings tried per node."""
+        sampled = _sampled(params)
+        q = trees.q_ids.shape[2] if sampled and n and trees.q_ids is not None else 0
+        return n, self.capture_layers, sampled, q, self.siblings if q else 0
 
     def _reserve(self, pages: list[SeqPages], n: int) -> None:
         """Slots for [root, n nodes] past each committed length (idempotent)."""
@@ -118,20 +128,25 @@ class Verifier:
         gb = self.buckets
         b, p = gb.buckets(pages)
         walk, cap, dev = (depth if n else 0), self.capture_layers, self.cache.device
-        sampled = _sampled(params)
+        family = self._family(n, params, trees)
+        sampled, q, siblings = family[2:]
 
         def example(bb: int) -> list[torch.Tensor]:
-            return [pack_inputs([0] * bb, [0] * bb, None if n == 0 else TreeBatch.padding(bb, n),
-                                [[]] * bb, bb, p, gb.scratch,
-                                [GREEDY] * bb if sampled else None).to(dev)]
+            pad = None if n == 0 else TreeBatch.padding(bb, n)
+            if q:
+                pad.q_ids = torch.zeros((bb, n, q), dtype=torch.int32)
+                pad.q_probs = torch.zeros((bb, n, q))
+            return [pack_inputs([0] * bb, [0] * bb, pad, [[]] * bb, bb, p, gb.scratch,
+                                [GREEDY] * bb if sampled else None, q).to(dev)]
 
         def fn(packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return packed_step(self.model, self.cache, self.ops, walk, cap, n, sampled, packed)
+            return packed_step(self.model, self.cache, self.ops, walk, cap, n, sampled, packed,
+                               q, siblings)
 
-        graph = gb.get((n, cap, sampled), b, p, example, fn)
+        graph = gb.get(family, b, p, example, fn)
         out, *path = graph(pack_inputs(roots, [sp.kv_len for sp in pages], trees,
                                        [sp.pages for sp in pages], b, p, gb.scratch,
-                                       params if sampled else None))
+                                       params if sampled else None, q))
         host, done = self._readback(out)
         return PendingStep(pages, host, done, path[0] if path else None)
 
@@ -178,26 +193,30 @@ def _bits(x: float) -> int:
 
 def pack_inputs(roots: list[int], ctx: list[int], trees: TreeBatch | None,
                 tables: list[list[int]], b: int, p: int, scratch: int,
-                params: list[SamplingParams] | None = None) -> torch.Tensor:
-    """One [b, 2 (+ 5) + 2N + p] int32 host tensor: root, committed KV length, (when
-    drawing: temperature, top_k, top_p, min_p, seed), tree tokens, tree parents, page
-    table. Rows past len(roots) (and page-table tails) are padding on the scratch page;
-    one tensor means one upload per step."""
+                params: list[SamplingParams] | None = None, q: int = 0) -> torch.Tensor:
+    """One [b, 2 (+ 5) + 2N (+ 2NQ) + p] int32 host tensor: root, committed KV length,
+    (when drawing: temperature, top_k, top_p, min_p, seed), tree tokens, tree parents,
+    (for rejection sampling, q wide: q ids, q probabilities' bits), page table. Rows
+    past len(roots) (and page-table tails) are padding on the scratch page; one tensor
+    means one upload per step."""
     n = 0 if trees is None else trees.tokens.shape[1]
-    tok = trees.tokens.tolist() if n else [[]] * len(roots)
-    par = trees.parents.tolist() if n else [[]] * len(roots)
-    draws = [] if params is None else [[_bits(q.temperature), q.top_k, _bits(q.top_p),
-                                         _bits(q.min_p), q.seed] for q in params]
-    rows = [[roots[i], ctx[i], *(draws[i] if draws else ()), *tok[i], *par[i], *table,
+    cols = [trees.tokens, trees.parents] if n else []
+    if q:
+        cols += [trees.q_ids.reshape(-1, n * q), trees.q_probs.float().view(torch.int32)
+                 .reshape(-1, n * q)]
+    body = torch.cat(cols, 1).tolist() if cols else [[]] * len(roots)
+    draws = [] if params is None else [[_bits(x.temperature), x.top_k, _bits(x.top_p),
+                                         _bits(x.min_p), x.seed] for x in params]
+    rows = [[roots[i], ctx[i], *(draws[i] if draws else ()), *body[i], *table,
              *[scratch] * (p - len(table))] for i, table in enumerate(tables)]
     greedy = [_bits(0.0), 0, _bits(1.0), _bits(0.0), 0] if params is not None else []
-    pad = [0, 0, *greedy] + [0] * n + [PAD] * n + [scratch] * p
+    pad = [0, 0, *greedy] + [0] * n + [PAD] * n + [0] * (2 * n * q) + [scratch] * p
     return torch.tensor(rows + [pad] * (b - len(rows)), dtype=torch.int32)
 
 
 def packed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: int,
-                capture: tuple[int, ...], n: int, sampled: bool, packed: torch.Tensor
-                ) -> tuple[torch.Tensor, ...]:
+                capture: tuple[int, ...], n: int, sampled: bool, packed: torch.Tensor,
+                q: int = 0, siblings: int = 0) -> tuple[torch.Tensor, ...]:
     """fixed_step on pack_inputs' layout; returns [B, depth + 2] int64 (accepted
     nodes padded -1, number accepted, bonus token) and, when capturing, the path's
     hidden states: one tensor to read back."""
@@ -208,8 +227,15 @@ def packed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: 
         sampling = [f[:, 0], packed[:, 3].long(), f[:, 2], f[:, 3], packed[:, 6].long()]
     at = 7 if sampled else 2
     tokens, parents = packed[:, at:at + n].contiguous(), packed[:, at + n:at + 2 * n].contiguous()
-    table = packed[:, at + 2 * n:].contiguous()
+    at += 2 * n
+    rejection = None
+    if q:
+        q_ids = packed[:, at:at + n * q].reshape(-1, n, q)
+        q_probs = packed[:, at + n * q:at + 2 * n * q].contiguous().view(torch.float32)
+        rejection = (q_ids, q_probs.reshape(-1, n, q), siblings)
+        at += 2 * n * q
+    table = packed[:, at:].contiguous()
     accepted, num, bonus, *path = fixed_step(model, cache, ops, depth, capture, roots, tokens,
-                                             parents, ctx, table, sampling)
+                                             parents, ctx, table, sampling, rejection)
     out = torch.cat([accepted.long(), num.long().unsqueeze(1), bonus.long().unsqueeze(1)], 1)
     return (out, *path)

@@ -151,7 +151,7 @@ class DrafterInfo(_message.Message):
     def __init__(self, envelope: _Optional[_Union[TreeEnvelope, _Mapping]] = ..., vocab_size: _Optional[int] = ..., proposer: _Optional[str] = ..., target_hidden_layers: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., local_socket: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "new_tokens", "full", "accepted_nodes", "accepted_step_id", "hidden_states", "sampling")
+    __slots__ = ("seq_id", "committed_len", "new_tokens", "full", "accepted_nodes", "accepted_step_id", "hidden_states", "sampling", "rejection_sampling")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class SequenceUpdate(_message.Message):
     ACCEPTED_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    REJECTION_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     committed_len: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -168,7 +169,8 @@ class SequenceUpdate(_message.Message):
     accepted_step_id: int
     hidden_states: Tensor
     sampling: SamplingParams
-    def __init__(self, seq_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., full: _Optional[bool] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., accepted_step_id: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    rejection_sampling: bool
+    def __init__(self, seq_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., full: _Optional[bool] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., accepted_step_id: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., rejection_sampling: _Optional[bool] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("step_id", "sequences", "released", "trace_context")
@@ -190,7 +192,7 @@ class SpeculateRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "tokens", "parents", "resync", "received_unix_ns", "sent_unix_ns")
+    __slots__ = ("step_id", "seq_ids", "tokens", "parents", "resync", "received_unix_ns", "sent_unix_ns", "q_ids", "q_probs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +200,8 @@ class Proposal(_message.Message):
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    Q_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     tokens: Tensor
@@ -205,4 +209,6 @@ class Proposal(_message.Message):
     resync: _containers.RepeatedScalarFieldContainer[int]
     received_unix_ns: int
     sent_unix_ns: int
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., parents: _Optional[_Union[Tensor, _Mapping]] = ..., resync: _Optional[_Iterable[int]] = ..., received_unix_ns: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ...) -> None: ...
+    q_ids: Tensor
+    q_probs: Tensor
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., parents: _Optional[_Union[Tensor, _Mapping]] = ..., resync: _Optional[_Iterable[int]] = ..., received_unix_ns: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., q_ids: _Optional[_Union[Tensor, _Mapping]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
