@@ -46,7 +46,8 @@ run)
                    --work /tmp/bw ${BENCH_ARGS:-} >>"$log" 2>&1 ;;
         drafters) timeout "${DRAFTERS_S:-560}" python3 bench/drafters.py \
                       --out "$OUT/drafters.json" --work /tmp/bw-drafters ${DRAFTERS_ARGS:-} \
-                      >>"$log" 2>&1 ;;
+                      >>"$log" 2>&1
+                  tail -n 120 /tmp/bw-drafters/*.log >"$OUT/services.log" 2>&1 ;;
         dstep) timeout "${DSTEP_S:-240}" python3 bench/drafter_step.py \
                    --out "$OUT/drafter_step.json" --work /tmp/bw-drafters ${DSTEP_ARGS:-} \
                    >>"$log" 2>&1 ;;

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.drafters import checkpoints  # noqa: E402
+from bench.drafters import checkpoints, pages  # noqa: E402
 from bench.inproc_bench import replay_ms  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from common.tree import envelope_from  # noqa: E402
@@ -159,6 +159,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (no graphs)")
     a = ap.parse_args()
+    a.max_tokens = a.steps * 4 + 16
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     checkpoints(a, work)
@@ -171,7 +172,7 @@ def main() -> None:
             prop = PROPOSERS[method].from_config(DraftConfig(
                 method=method, envelope=envelope_from(envelope), model=str(model),
                 target_embeddings=str(work / "target") if method == "eagle3" else None,
-                device=a.device))
+                device=a.device, num_blocks=pages(a)))
             res["rows"][f"{method}:{envelope}:load_s"] = round(time.perf_counter() - t0, 1)
             for b in (int(x) for x in a.batches.split(",")):
                 for sampled in (False, True):

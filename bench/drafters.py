@@ -12,8 +12,8 @@ the same drafter's whole step, its tree then replaced by the replay's continuati
 3 correct tokens of 4: what it buys at 4 tokens a step). Plain decode runs first in
 the same verify service (speculation off); its outputs are the reference every
 speculative output must equal. Both services run as CLI processes on their defaults,
-but for the verify's --max-batch and --num-blocks (64 sequences of 1024 + 256
-tokens). Per row: tok/s, its ratio to plain, the step, the draft's part of it, and
+but for the verify's --max-batch and both services' --num-blocks (64 sequences of
+1024 + 256 tokens). Per row: tok/s, its ratio to plain, the step, the draft's part of it, and
 plain-decode steps by reason. `--target-shape tiny --draft-shape tiny --device cpu`
 runs the whole path on a CPU.
 """
@@ -48,10 +48,11 @@ def free_port() -> int:
 
 
 def draft_argv(method: str, envelope: str, mode: str, port: int, work: Path, target: Path,
-               device: str, cont: Path) -> list[str]:
+               device: str, cont: Path, pages: int) -> list[str]:
     model = {"ngram": [], "model": ["--model", str(work / "draft")],
              "eagle3": ["--model", str(work / "eagle3"), "--target-embeddings", str(target)]}
-    common = ["--envelope", envelope, "--port", str(port), *model[method]]
+    common = ["--envelope", envelope, "--port", str(port), "--num-blocks", str(pages),
+              *model[method]]
     if mode == "random":
         return cli_command("draft", "--method", method, "--device", device, *common)
     return [sys.executable, str(BENCH / "replay.py"), "--continuations", str(cont),
@@ -77,6 +78,11 @@ def row(r: dict, ids: list[list[int]], plain: dict, before: dict, after: dict) -
             "fallbacks": {k: v - before.get(k, 0.0) for k, v in after.items()
                           if v - before.get(k, 0.0)},
             "lossless": all(f is None for f in first_divergence(ids, plain["ids"]))}
+
+
+def pages(a: argparse.Namespace) -> int:
+    """KV pages (both services) for the largest batch's sequences, 16 tokens a page."""
+    return max(4096, max(int(b) for b in a.batches.split(",")) * (a.ctx + a.max_tokens + 80) // 16)
 
 
 def checkpoints(a: argparse.Namespace, work: Path) -> None:
@@ -107,6 +113,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--configs", default=CONFIGS, help="proposer:envelope, comma-separated")
     ap.add_argument("--modes", default="random,shadow")
+    ap.add_argument("--verify-args", default="", help="extra verify flags, space-separated")
     ap.add_argument("--budget-s", type=float, default=1e9,
                     help="start no configuration after this many seconds")
     a = ap.parse_args()
@@ -127,11 +134,10 @@ def main() -> None:
                  "draft": a.draft_shape, "ctx": a.ctx, "max_tokens": a.max_tokens,
                  "plain": {}, "rows": {}, "errors": {}}
     port = free_port()
-    pages = max(4096, max(batches) * (a.ctx + a.max_tokens + 80) // 16)
     v = start("verify", cli_command(
         "verify", "--model", str(work / "target"), "--port", "0", "--device", a.device,
-        "--max-batch", str(max(batches)), "--num-blocks", str(pages), "--metrics-port", "0",
-        "--draft", f"127.0.0.1:{port}"))
+        "--max-batch", str(max(batches)), "--num-blocks", str(pages(a)), "--metrics-port", "0",
+        "--draft", f"127.0.0.1:{port}", *a.verify_args.split()))
     try:
         url = metrics_url(v)
         for b in batches:
@@ -159,6 +165,7 @@ def main() -> None:
                 out.write_text(json.dumps(strip(res), indent=1))
     finally:
         v.stop()
+        (work / "verify.log").write_text(v.output())
     out.write_text(json.dumps(strip(res), indent=1))
     plot(res, out.with_suffix(".png"))
     print("total s:", round(time.monotonic() - t0))
@@ -169,7 +176,8 @@ def run_config(method: str, envelope: str, mode: str, port: int, work: Path,
                cont: Path) -> dict:
     proposer = method if mode == "random" else f"shadow-replay-instrument:{method}"
     d = start(f"{method}-{envelope}-{mode}",
-              draft_argv(method, envelope, mode, port, work, work / "target", a.device, cont))
+              draft_argv(method, envelope, mode, port, work, work / "target", a.device, cont,
+                         pages(a)))
     rows: dict = {}
     try:
         asyncio.run(_connected(v.addr, proposer))
@@ -185,6 +193,7 @@ def run_config(method: str, envelope: str, mode: str, port: int, work: Path,
                   f"lossless {x['lossless']}", flush=True)
     finally:
         d.stop()
+        (work / f"{method}-{envelope}-{mode}.log").write_text(d.output())
     return rows
 
 

@@ -138,6 +138,7 @@ def main() -> None:
     ap.add_argument("--envelope", default="chain4", help="--shadow's envelope")
     ap.add_argument("--target-embeddings", help="--shadow eagle3's, as for `treespec draft`")
     ap.add_argument("--device", default="auto", help="--shadow's device")
+    ap.add_argument("--num-blocks", type=int, default=4096, help="--shadow's KV pages")
     a = ap.parse_args()
     from common.tree import envelope_from
     from draft_service import server
@@ -147,7 +148,8 @@ def main() -> None:
     if a.shadow:
         cfg = DraftConfig(method=a.shadow, envelope=envelope_from(a.envelope), model=a.model,
                           target_embeddings=a.target_embeddings, host=a.host, port=a.port,
-                          device=a.device, local_socket=a.local_socket)
+                          device=a.device, local_socket=a.local_socket,
+                          num_blocks=a.num_blocks)
         replay = ReplayProposer(records, cfg.envelope.depth, a.corrupt, a.vocab, a.accept)
         proposer = ShadowReplay(build_proposer(cfg), replay, cfg.envelope.num_nodes)
     else:

@@ -13,6 +13,8 @@ in the middle of serving.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Hashable
 
 import torch
@@ -22,6 +24,8 @@ from common.forward_batch import page_table
 from common.kv_cache import PagedKVCache, SeqPages
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+log = logging.getLogger("treespec.graphs")
 
 Example = Callable[[int], list[torch.Tensor]]   # batch bucket -> example inputs
 Fn = Callable[..., tuple[torch.Tensor, ...]]
@@ -46,12 +50,17 @@ class BucketedGraphs:
     def get(self, family: Hashable, b: int, p: int, example: Example, fn: Fn) -> StaticGraph:
         """The graph of fn at (family, b, p), captured (with the smaller batch
         buckets) on first use; example(bb) gives inputs of batch bb to capture on."""
-        for bb in [x for x in BATCH_BUCKETS if x < b] + [b]:
-            if (family, bb, p) not in self.graphs:
-                with torch.inference_mode():
-                    g = StaticGraph(fn, example(bb), capture=self.capture, pool=self._pool)
-                self._pool = g.pool or self._pool
-                self.graphs[(family, bb, p)] = g
+        new = [x for x in BATCH_BUCKETS if x < b] + [b]
+        new = [bb for bb in new if (family, bb, p) not in self.graphs]
+        t0 = time.perf_counter()
+        for bb in new:
+            with torch.inference_mode():
+                g = StaticGraph(fn, example(bb), capture=self.capture, pool=self._pool)
+            self._pool = g.pool or self._pool
+            self.graphs[(family, bb, p)] = g
+        if new and self.graphs[(family, b, p)].graph is not None:
+            log.info("captured %s at batch buckets %s, %d pages: %.2f s", family, new, p,
+                     time.perf_counter() - t0)
         return self.graphs[(family, b, p)]
 
     @staticmethod

@@ -42,6 +42,10 @@ from draft_service.registry import build_proposer
 
 log = logging.getLogger(__name__)
 
+# a step slower than this is logged with what it carried (a verify service waits
+# 100 ms by default before it decodes the step without a tree)
+SLOW_STEP_MS = 50.0
+
 
 @dataclass
 class _SeqState:
@@ -132,6 +136,11 @@ class DraftEngine:
         if resync:
             log.debug("step %d: resync %s", req.step_id, resync)
         resp = SpecResponse(req.step_id, ids, trees, resync)
+        took = (time.time_ns() - t0) / 1e6
+        if took > SLOW_STEP_MS:
+            log.info("step %d took %.0f ms (proposer %.0f ms): %d sequences, %d new tokens",
+                     req.step_id, took, (tp1 - tp0) / 1e6, len(ids),
+                     sum(len(u.new_tokens) for u in req.seqs))
         self.observer.step_finished(DraftStepRecord(req, resp, t0, tp0, tp1, time.time_ns()))
         return resp
 

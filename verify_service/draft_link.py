@@ -62,6 +62,7 @@ class DraftLink:
         self._waiter: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
         self._t_answer = 0
+        self._late = 0                       # steps whose answer missed the deadline
         self._closed = False
 
     @property
@@ -180,6 +181,12 @@ class DraftLink:
         if msg is _EXPIRED or msg is _DROPPED:
             if msg is _DROPPED:
                 self._outstanding = None
+            else:
+                self._late += 1
+                if self._late in (1, 10) or self._late % 100 == 0:
+                    log.info("draft step %d missed the %.0f ms deadline (%d so far): "
+                             "plain decode until it answers; --step-deadline-ms sets it",
+                             step, 1000 * self.deadline_s, self._late)
             return Drafted(None, "deadline" if msg is _EXPIRED else "disconnected", step)
         self._outstanding = None
         stamps = (t_sent, self._t_answer, msg.received_unix_ns, msg.sent_unix_ns)
