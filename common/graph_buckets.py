@@ -41,8 +41,9 @@ def _page_bucket(width: int) -> int:
 
 
 class BucketedGraphs:
-    def __init__(self, cache: PagedKVCache, capture: bool = True) -> None:
+    def __init__(self, cache: PagedKVCache, capture: bool = True, min_pages: int = 1) -> None:
         self.cache, self.capture = cache, capture
+        self.min_pages = min_pages       # the smallest page bucket
         self.scratch = cache.blocks.allocate(1)[0]        # padding rows write here
         self.graphs: dict[tuple, StaticGraph] = {}
         self._pool: object | None = None
@@ -73,7 +74,7 @@ class BucketedGraphs:
         with the scratch page)."""
         real = len(pages)
         width = max(len(sp.pages) for sp in pages)
-        b, p = bucket(real), _page_bucket(width)
+        b, p = bucket(real), max(self.min_pages, _page_bucket(width))
         table = torch.full((b, p), self.scratch, dtype=torch.int32)
         table[:real, :width] = page_table(pages, torch.device("cpu"), fill=self.scratch)
         return b, p, table

@@ -37,7 +37,7 @@ import torch
 
 from common.block_manager import OutOfPages
 from common.devices import bind_device, pick_device, pick_dtype
-from common.graph_buckets import BucketedGraphs
+from common.graph_buckets import BucketedGraphs, bucket
 from common.kv_cache import PagedKVCache, SeqPages
 from common.sampling import GREEDY, SamplingParams, as_tensors
 from common.tree import TreeBatch, TreeEnvelope
@@ -47,6 +47,15 @@ log = logging.getLogger("treespec.draft")
 
 # an extra per-unit input of a step: (shape of one unit's row, dtype)
 Extra = tuple[tuple[int, ...], torch.dtype]
+
+# the smallest page bucket of a captured step: 4096 tokens of 16. Every sequence up to
+# that length replays the same graphs, so a batch's page bucket does not change while
+# it decodes (each new bucket costs seconds of kernel compiles and captures, far past
+# a verify service's deadline); attention over a wider table than the context needs
+# only splits that find nothing to read.
+MIN_PAGES = 256
+# warm-up captures every batch bucket up to this one
+WARM_BATCH = 64
 
 
 @dataclass
@@ -69,7 +78,9 @@ class DraftGraphs:
                  capture: bool = True) -> None:
         self.cache, self.fn, self.extras = cache, fn, extras
         self.catch_up_len = catch_up_len
-        self.buckets = BucketedGraphs(cache, capture)
+        # captured graphs start at MIN_PAGES pages (on the CPU nothing is captured)
+        on_gpu = capture and cache.device.type == "cuda"
+        self.buckets = BucketedGraphs(cache, capture, MIN_PAGES if on_gpu else 1)
 
     @torch.inference_mode()
     def __call__(self, new_tokens: list[list[int]], new_extras: list[list[torch.Tensor]],
@@ -93,8 +104,15 @@ class DraftGraphs:
         per_row = []
         if sampling is not None:
             rows = sampling + [None] * (b - real)
-            per_row = as_tensors([r.params if r else GREEDY for r in rows], dev) + [
-                torch.tensor([bool(r and r.rejection) for r in rows], device=dev)]
+            per_row = _per_row([r.params if r else GREEDY for r in rows],
+                               [bool(r and r.rejection) for r in rows], dev)
+        out = self._graph(b, p, per_row)(tokens, count, ctx0, table, *extras, *per_row)
+        return tuple(x[:real].clone() for x in out)
+
+    def _graph(self, b: int, p: int, per_row: list[torch.Tensor]):
+        """The step's graph at batch bucket b and page bucket p (sampled when per_row
+        holds the rows' sampling tensors), captured on first use."""
+        gb, dev, c = self.buckets, self.cache.device, self.catch_up_len
 
         def example(bb: int) -> list[torch.Tensor]:
             return [torch.zeros((bb, c), dtype=torch.int64, device=dev),
@@ -109,9 +127,22 @@ class DraftGraphs:
         def fn(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return self.fn(*xs[:n], sampling=list(xs[n:]) or None)
 
-        family = "step" if sampling is None else "step-sampled"
-        out = gb.get(family, b, p, example, fn)(tokens, count, ctx0, table, *extras, *per_row)
-        return tuple(x[:real].clone() for x in out)
+        return gb.get("step-sampled" if per_row else "step", b, p, example, fn)
+
+    def capture_all(self, max_batch: int) -> None:
+        """Capture both families at every batch bucket up to max_batch's, at the
+        smallest page bucket (every sequence up to MIN_PAGES pages long), so that a
+        batch growing under load never waits on a capture."""
+        greedy = _per_row([GREEDY], [False], self.cache.device)
+        for per_row in ([], greedy):
+            self._graph(bucket(max_batch), self.buckets.min_pages, per_row)
+
+
+def _per_row(params: list[SamplingParams], rejection: list[bool], dev: torch.device
+             ) -> list[torch.Tensor]:
+    """A sampled step's per-row inputs: [temperature, top_k, top_p, min_p, seed] and
+    the rejection flag."""
+    return as_tensors(params, dev) + [torch.tensor(rejection, device=dev)]
 
 
 class KVDrafter:
@@ -260,13 +291,16 @@ class KVDrafter:
         return trees
 
     def warm_up(self, lengths: tuple[int, ...] = (8, 200, 1100), batch: int = 8) -> float:
-        """Run what first requests run: first syncs of several lengths, a decode-sized
-        step after each, and a batch, so that Triton compiles and CUDA graph captures
+        """Capture the step at every batch bucket up to WARM_BATCH's (on a GPU), then run
+        what first requests run: first syncs of several lengths, a decode-sized step
+        after each, and a batch, so that Triton compiles and CUDA graph captures
         (seconds on a GPU) happen before serving, not inside a step the verify service
         waits for under its deadline; the batch's second step samples. Sequences get
         ids no engine hands out (< 0) and are released: no state or page is left
         behind. Returns the seconds taken."""
         t0 = time.perf_counter()
+        if self.cache.device.type == "cuda":
+            self.graphs.capture_all(WARM_BATCH)
         groups = [[n] for n in lengths] + [[lengths[0]] * batch]
         for g, sizes in enumerate(groups):
             ids = [-1000 * (g + 1) - i for i in range(len(sizes))]

@@ -249,9 +249,14 @@ def _plan(total_q: int, num_seqs: int, group: int, kv_heads: int, max_ctx: int,
         # twice the live context, so plan for half of it (the spans are cut on the
         # device from the live length; attention_probe: 9 splits beat 17 by 1-2 µs a
         # layer for decode and 4-node trees at ctx 1024 in a 2048-slot bucket).
+        # The count is a compile-time constant: it takes only the values 1, 2, 3, 5, 9
+        # and 17 (rounded down), so shapes met while serving (eager prefills of any
+        # width and batch) find a kernel already compiled by the warm-up instead of
+        # stalling a step for a compile (a second or two each).
         per_sm = 2 if rows_per_chunk <= 16 else 1
         want = (per_sm * _num_sms(device)) // max(1, tiles * kv_heads)
-        num_splits = max(1, min(want, triton.cdiv(max_ctx, 2 * MIN_SPLIT_KEYS) + 1, 17))
+        n = max(1, min(want, triton.cdiv(max_ctx, 2 * MIN_SPLIT_KEYS) + 1, 17))
+        num_splits = n if n <= 2 else (1 << (n - 1).bit_length() - 1) + 1
     num_warps = 8 if block_m >= 128 else 4
     return block_m, block_n, num_splits, num_warps
 
