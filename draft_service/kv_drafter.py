@@ -315,4 +315,7 @@ class KVDrafter:
             self.propose(ids, sampled)
             for sid in ids:
                 self.release(sid)
+        if self.cache.device.type == "cuda":
+            from kernels.triton_common import log_compiles
+            log_compiles(log)
         return time.perf_counter() - t0

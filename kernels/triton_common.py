@@ -159,3 +159,19 @@ def pdl_enter(PDL: tl.constexpr):
                                   dtype=tl.int32, is_pure=False, pack=1)
         tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
                                   dtype=tl.int32, is_pure=False, pack=1)
+
+
+def log_compiles(log) -> None:
+    """From now on, log every Triton kernel specialization this process compiles (or
+    loads from triton's disk cache): called after a warm-up, each line is a step that
+    waited on a compile, and names the shape the warm-up missed."""
+    try:
+        from triton import knobs
+    except ImportError:          # a triton without knobs: nothing to hook
+        return
+
+    def hook(*, repr: str, **_) -> bool:
+        log.info("Triton compile while serving: %s", repr[:400])
+        return False             # True would skip the compile
+
+    knobs.runtime.jit_cache_hook = hook
