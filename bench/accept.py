@@ -131,7 +131,7 @@ async def _config(target: str, method: str, draft: str | None, envelope: str,
 
 def run(target: str, envelopes: list[str], methods: list[str], files: int, prompt_tokens: int,
         max_tokens: int, device: str, sampling: dict | None = None,
-        draft_sampling: str = "sample", acceptance: str = "rejection") -> list[dict]:
+        draft_sampling: str = "sample", acceptance: str = "coupled") -> list[dict]:
     """One row per method x envelope; sampling: the requests' SamplingParams fields
     (none: greedy); draft_sampling, acceptance: the services' flags."""
     from common.tokenizer import load_tokenizer
@@ -178,7 +178,7 @@ def main() -> int:
     a.add_argument("--top-p", type=float)
     a.add_argument("--min-p", type=float)
     a.add_argument("--draft-sampling", default="sample", choices=["sample", "deterministic"])
-    a.add_argument("--acceptance", default="rejection", choices=["rejection", "coupled"])
+    a.add_argument("--acceptance", default="coupled", choices=["coupled", "rejection"])
     a.add_argument("--json", help="also write the rows to this file")
     args = a.parse_args()
     sampling = {k: v for k in ("temperature", "top_k", "top_p", "min_p")

@@ -26,10 +26,10 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
                    help="what a request's unset sampling fields mean: auto (default) the "
                         "checkpoint's generation_config.json (as vLLM), none greedy")
     v.add_argument("--acceptance", choices=["rejection", "coupled"],
-                   help="how a sampling request's draft nodes are accepted: rejection "
-                        "(default: recursive rejection sampling with the drafter's q) or "
-                        "coupled (iff the node is the target's seeded draw: the same tokens "
-                        "with any drafter or none)")
+                   help="how a sampling request's draft nodes are accepted: coupled "
+                        "(default: iff the node is the target's seeded draw, so the tokens "
+                        "are the same with any drafter or none) or rejection (recursive "
+                        "rejection sampling with the drafter's q)")
     v.add_argument("--busy-poll", choices=["auto", "on", "off"],
                    help="wait for the draft's answer and the device without sleeping (one "
                         "busy core while steps run; default auto: on when the device is CUDA)")

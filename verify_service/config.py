@@ -20,9 +20,9 @@ class VerifyConfig(ServiceConfig):
     draft_socket: str = "auto"        # auto: the draft's local socket if reachable; off: gRPC
     generation_config: str = "auto"   # sampling defaults: auto = the checkpoint's
                                       # generation_config.json; none = greedy
-    acceptance: str = "rejection"     # sampled nodes: rejection (recursive rejection
-                                      # sampling with the drafter's q) or coupled (a node
-                                      # is accepted iff it is the target's seeded draw)
+    acceptance: str = "coupled"       # sampled nodes: coupled (a node is accepted iff it
+                                      # is the target's seeded draw) or rejection
+                                      # (recursive rejection sampling with the drafter's q)
     busy_poll: str = "auto"           # wait for drafts and the device without sleeping:
                                       # auto (on when the device is CUDA), on, off
 
