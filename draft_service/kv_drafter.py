@@ -37,7 +37,7 @@ import torch
 
 from common.block_manager import OutOfPages
 from common.devices import bind_device, pick_device, pick_dtype
-from common.graph_buckets import BucketedGraphs, bucket
+from common.graph_buckets import BATCH_BUCKETS, BucketedGraphs, bucket
 from common.kv_cache import PagedKVCache, SeqPages
 from common.sampling import GREEDY, SamplingParams, as_tensors
 from common.tree import TreeBatch, TreeEnvelope
@@ -292,30 +292,42 @@ class KVDrafter:
 
     def warm_up(self, lengths: tuple[int, ...] = (8, 200, 1100), batch: int = 8) -> float:
         """Capture the step at every batch bucket up to WARM_BATCH's (on a GPU), then run
-        what first requests run: first syncs of several lengths, a decode-sized step
-        after each, and a batch, so that Triton compiles and CUDA graph captures
-        (seconds on a GPU) happen before serving, not inside a step the verify service
-        waits for under its deadline; the batch's second step samples. Sequences get
-        ids no engine hands out (< 0) and are released: no state or page is left
-        behind. Returns the seconds taken."""
+        what serving runs: first syncs of several lengths, then steps that bring 1
+        (the second one samples, when the group has several rows), a few more than a
+        catch-up and several catch-ups' worth of new units (after a step the verify
+        service decoded without the draft), one sequence at a time, a batch, and on a
+        GPU every batch bucket up to WARM_BATCH's (as long as half the pages allow).
+        Triton compiles and CUDA graph captures (seconds each on a GPU) then happen
+        before serving, not inside a step the verify service waits for under its
+        deadline. Sequences get ids no engine hands out (< 0) and are released: no
+        state or page is left behind. Returns the seconds taken."""
         t0 = time.perf_counter()
-        if self.cache.device.type == "cuda":
+        gpu = self.cache.device.type == "cuda"
+        if gpu:
             self.graphs.capture_all(WARM_BATCH)
         groups = [[n] for n in lengths] + [[lengths[0]] * batch]
+        if gpu:
+            room = self.cache.blocks.num_blocks * self.cache.block_size // 2
+            groups += [[min(lengths[-1], room // b - self._scratch)] * b
+                       for b in BATCH_BUCKETS if 1 < b <= WARM_BATCH]
+        c = self.graphs.catch_up_len
         for g, sizes in enumerate(groups):
             ids = [-1000 * (g + 1) - i for i in range(len(sizes))]
-            for sid, n in zip(ids, sizes):
-                self.update(sid, [1] * n, n, [], None)
+            tokens = {sid: [1] * n for sid, n in zip(ids, sizes)}
+            for sid, toks in tokens.items():
+                self.update(sid, toks, len(toks), [], None)
             self.propose(ids)
-            for sid, n in zip(ids, sizes):
-                self.update(sid, [1] * (n + 1), 1, [], None)
-            sampled = None if len(ids) == 1 else [  # both drafting ways, in one batch
-                RowSampling(SamplingParams(temperature=1.0), rejection=bool(i % 2))
-                for i in range(len(ids))]
-            self.propose(ids, sampled)
+            for k in (1, c + 3, 3 * c + 5):
+                for sid in ids:
+                    tokens[sid] = tokens[sid] + [1] * k
+                    self.update(sid, tokens[sid], k, [], None)
+                sampled = None if len(ids) == 1 or k > 1 else [  # both drafting ways
+                    RowSampling(SamplingParams(temperature=1.0), rejection=bool(i % 2))
+                    for i in range(len(ids))]
+                self.propose(ids, sampled)
             for sid in ids:
                 self.release(sid)
-        if self.cache.device.type == "cuda":
+        if gpu:
             from kernels.triton_common import log_compiles
             log_compiles(log)
         return time.perf_counter() - t0
