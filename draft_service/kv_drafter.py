@@ -95,10 +95,12 @@ class DraftGraphs:
         b, p, table = gb.shape(pages)
         tokens, count, ctx0 = gb.chain_inputs(new_tokens, pages, b, c)
         extras = []
+        if self.extras:          # each row's units at [r, :n] of [b, c], in one copy
+            at = torch.cat([torch.arange(len(t)) + r * c for r, t in enumerate(new_tokens)])
+            at = at.to(dev, non_blocking=True)
         for k, (shape, dtype) in enumerate(self.extras):
             x = torch.zeros((b, c, *shape), dtype=dtype, device=dev)
-            for r, rows in enumerate(new_extras):
-                x[r, :rows[k].shape[0]] = rows[k]
+            x.view(b * c, *shape)[at] = torch.cat([rows[k] for rows in new_extras])
             extras.append(x)
 
         per_row = []
