@@ -51,6 +51,8 @@ run)
         dstep) timeout "${DSTEP_S:-240}" python3 bench/drafter_step.py \
                    --out "$OUT/drafter_step.json" --work /tmp/bw-drafters ${DSTEP_ARGS:-} \
                    >>"$log" 2>&1 ;;
+        sampled) timeout "${SAMPLED_S:-90}" python3 bench/sampled_step.py \
+                     --out "$OUT/sampled_step.json" >>"$log" 2>&1 ;;
         profile) timeout "${PROFILE_S:-120}" python3 bench/profile_step.py --out "$OUT" \
                      >>"$log" 2>&1 ;;
         attention) timeout "${ATTN_S:-150}" python3 bench/attention_probe.py \
