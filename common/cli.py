@@ -53,7 +53,7 @@ def positive_int(text: str) -> int:
 
 
 RUNTIME = ("host", "port", "device", "dtype", "kernels", "num_blocks", "block_size",
-           "metrics_port")
+           "metrics_port", "tls_cert", "tls_key", "tls_client_ca")
 
 
 def add_runtime(p: argparse.ArgumentParser) -> None:
@@ -69,6 +69,18 @@ def add_runtime(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="tokens per KV page")
     p.add_argument("--metrics-port", type=int, metavar="P",
                    help="serve Prometheus /metrics on P (0 picks a free one; default off)")
+    p.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
+    p.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    p.add_argument("--tls-client-ca", metavar="PEM",
+                   help="mutual TLS: refuse clients without a certificate of this CA")
+
+
+def add_client_tls(p: argparse.ArgumentParser, prefix: str = "--tls") -> None:
+    """A client's TLS flags (PREFIX-ca, PREFIX-cert, PREFIX-key)."""
+    p.add_argument(f"{prefix}-ca", metavar="PEM",
+                   help="speak TLS, trusting this CA for the server's certificate")
+    p.add_argument(f"{prefix}-cert", metavar="PEM", help="mutual TLS: this client's certificate")
+    p.add_argument(f"{prefix}-key", metavar="PEM", help="and its private key")
 
 
 def given(args: argparse.Namespace, names: Sequence[str]) -> dict:

@@ -23,6 +23,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.tls import ClientTLS, channel
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
@@ -189,10 +190,12 @@ def _not_serving(r: health_pb2.HealthCheckResponse | None, err: grpc.RpcError | 
 class TreespecClient:
     """Blocking client over one channel; use as a context manager or call close()."""
 
-    def __init__(self, addr: str, timeout: float | None = None) -> None:
+    def __init__(self, addr: str, timeout: float | None = None,
+                 tls: ClientTLS | None = None) -> None:
+        """tls: speak TLS (common.tls.ClientTLS: a CA, and for mutual TLS a certificate)."""
         self.addr = addr
         self.timeout = timeout  # per-call deadline in seconds, None = none
-        self._channel = grpc.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+        self._channel = channel(addr, tls, _CHANNEL_OPTIONS, aio=False)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -253,10 +256,11 @@ class TreespecClient:
 class AsyncTreespecClient:
     """asyncio client over one grpc.aio channel; `async with` or `await close()`."""
 
-    def __init__(self, addr: str, timeout: float | None = None) -> None:
+    def __init__(self, addr: str, timeout: float | None = None,
+                 tls: ClientTLS | None = None) -> None:
         self.addr = addr
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+        self._channel = channel(addr, tls, _CHANNEL_OPTIONS)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

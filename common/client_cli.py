@@ -6,8 +6,17 @@ import argparse
 import json
 import sys
 
-from common.cli import int_list, positive_int
+from common.cli import ConfigError, add_client_tls, int_list, positive_int
 from common.client import TreespecClient, tokens_per_step
+from common.tls import ClientTLS
+
+
+def client(args: argparse.Namespace) -> TreespecClient:
+    try:
+        tls = ClientTLS(args.tls_ca, args.tls_cert, args.tls_key)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return TreespecClient(args.addr, tls=tls)
 
 
 def add_generate_arguments(g: argparse.ArgumentParser) -> None:
@@ -29,6 +38,7 @@ def add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, help="deadline for the whole call, in seconds")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object {token_ids, text, finish_reason, stats}")
+    add_client_tls(g)
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -38,15 +48,15 @@ def generate(args: argparse.Namespace) -> int:
               top_k=args.top_k, min_p=args.min_p, seed=args.seed,
               no_speculation=args.no_speculation,
               timeout=args.timeout)
-    with TreespecClient(args.addr) as client:
+    with client(args) as c:
         if args.json:
-            done = client.generate(args.prompt, **kw)
+            done = c.generate(args.prompt, **kw)
             print(json.dumps({"token_ids": done.token_ids, "text": done.text,
                               "finish_reason": done.finish_reason, "stats": done.stats}))
             return 0
-        as_text = client.info().has_tokenizer
+        as_text = c.info().has_tokenizer
         last = None
-        for chunk in client.generate_stream(args.prompt, **kw):
+        for chunk in c.generate_stream(args.prompt, **kw):
             if as_text:
                 sys.stdout.write(chunk.text)
             elif chunk.token_ids:
@@ -66,13 +76,14 @@ def add_health_arguments(h: argparse.ArgumentParser) -> None:
     h.add_argument("--addr", required=True, metavar="HOST:PORT")
     h.add_argument("--service", default="", help="service name to check (default: the server)")
     h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for SERVING")
+    add_client_tls(h)
 
 
 def health(args: argparse.Namespace) -> int:
     """0 and SERVING on stdout when healthy, else 1 and why on stderr (container health checks)."""
-    with TreespecClient(args.addr) as client:
+    with client(args) as c:
         try:
-            client.wait_ready(args.timeout, args.service)
+            c.wait_ready(args.timeout, args.service)
         except TimeoutError as e:
             print(f"treespec health: {e}", file=sys.stderr)
             return 1

@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common import codec
 from common.errors import InvalidRequest, Unavailable
+from common.tls import ServerTLS
 
 log = logging.getLogger(__name__)
 
@@ -115,14 +116,15 @@ def _bind_address(host: str, port: int) -> str:
 
 async def start_server(host: str, port: int, add_servicers: Callable[[grpc.aio.Server], None],
                        service_names: list[str],
-                       interceptors: list[grpc.aio.ServerInterceptor] | None = None
-                       ) -> tuple[grpc.aio.Server, int]:
+                       interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+                       tls: ServerTLS | None = None) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server with error mapping, health and reflection.
 
     add_servicers registers the service's own servicers; service_names are their
     full names (e.g. "treespec.v1.Drafter"), each reported SERVING by health and
     listed by reflection. port 0 binds a free port; returns (server, bound port).
     interceptors (e.g. tracing) run outside the error mapping, first one outermost.
+    tls on: the port serves TLS only (mutual TLS when it names a client CA).
     """
     server = grpc.aio.server(interceptors=[*(interceptors or ()), ErrorMappingInterceptor()],
                              options=MESSAGE_LIMITS)
@@ -132,7 +134,10 @@ async def start_server(host: str, port: int, add_servicers: Callable[[grpc.aio.S
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection.enable_server_reflection([*service_names, health_name, reflection.SERVICE_NAME],
                                         server)
-    bound = server.add_insecure_port(_bind_address(host, port))
+    creds = tls.credentials() if tls is not None else None
+    addr = _bind_address(host, port)
+    bound = (server.add_secure_port(addr, creds) if creds is not None
+             else server.add_insecure_port(addr))
     if bound == 0:
         raise OSError(f"could not bind {_bind_address(host, port)}")
     for name in ("", *service_names):

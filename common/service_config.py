@@ -1,4 +1,5 @@
-"""What both services take: where they listen, what they run on, their KV pages.
+"""What both services take: where they listen (and with which TLS), what they run on,
+their KV pages.
 
 Each service's config (``DraftConfig``, ``VerifyConfig``) extends this frozen,
 keyword-only dataclass with its own fields and checks.
@@ -7,6 +8,8 @@ keyword-only dataclass with its own fields and checks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from common.tls import ServerTLS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,6 +22,13 @@ class ServiceConfig:
     kernels: str = "auto"             # auto | reference | triton
     num_blocks: int = 2048            # KV pages (each service sets its own default)
     block_size: int = 16              # tokens per KV page
+    tls_cert: str | None = None       # serve TLS with this certificate chain (PEM)
+    tls_key: str | None = None        # and this private key
+    tls_client_ca: str | None = None  # mutual TLS: clients need a certificate of this CA
+
+    @property
+    def server_tls(self) -> ServerTLS:
+        return ServerTLS(self.tls_cert, self.tls_key, self.tls_client_ca)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -27,3 +37,4 @@ class ServiceConfig:
             raise ValueError(f"metrics port {self.metrics_port} out of range")
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
+        self.server_tls                 # refuses half a pair or an unreadable file

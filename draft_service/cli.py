@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from common import cli
-from common.cli import RUNTIME, ConfigError, add_runtime, check_model, given
+from common.cli import RUNTIME, ConfigError, add_runtime, check_model, given, int_list
 
 SERVER = "draft_service.server"
 
@@ -33,6 +33,9 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
                         "service on this host then uses instead of gRPC (default auto: "
                         "an abstract socket on Linux; off; PATH or @name to share it across "
                         "containers through a volume)")
+    d.add_argument("--local-socket-uids", type=lambda t: tuple(int_list(t)), metavar="1000,1001",
+                   help="users besides this one whose processes may use the local socket "
+                        "(a verify service in another container runs as another uid)")
     add_runtime(d)
 
 
@@ -47,7 +50,7 @@ def config(args: argparse.Namespace):
         cfg = DraftConfig(method=args.method, envelope=env, model=args.model,
                           **given(args, RUNTIME + ("ngram_max", "ngram_min", "max_sequences",
                                                    "target_embeddings", "local_socket",
-                                                   "draft_sampling")))
+                                                   "draft_sampling", "local_socket_uids")))
         if cfg.method == "eagle3":
             from draft_service.eagle3_head import embedding_source
             embedding_source(resolve_model(cfg.model), cfg.target_embeddings)

@@ -27,6 +27,7 @@ class DraftConfig(ServiceConfig):
     # this network namespace, so other hosts and containers keep gRPC), off, or a
     # path / @name
     local_socket: str = "auto"
+    local_socket_uids: tuple[int, ...] = ()   # users besides this one the socket admits
 
     def local_address(self, instance_id: str) -> str | None:
         """Where to serve the local socket, None for nowhere."""

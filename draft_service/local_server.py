@@ -5,6 +5,11 @@ the same errors as the gRPC stream (``common.grpc_server.status_for``); only the
 carrier differs (common/frames.py says why). Each connection is one stream: a
 hello frame with the draft's instance id, then one Proposal per SpeculateRequest,
 in order. A malformed message ends the connection with an ERROR frame.
+
+Only processes of this service's own user (or of the uids in ``allowed_uids``) may
+connect: the kernel says who the peer is (SO_PEERCRED), and anyone else is closed
+on before a byte is read, with one log line per refused uid. Where the kernel cannot
+say (no SO_PEERCRED), no local socket is offered (``peer_check_possible``).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
+import struct
 import time
 
 from google.protobuf.message import DecodeError
@@ -25,10 +32,23 @@ from protos.treespec.v1 import treespec_pb2 as pb
 log = logging.getLogger("treespec.draft.local")
 
 
+def peer_check_possible() -> bool:
+    return hasattr(socket, "SO_PEERCRED")
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The connected peer's user id, from the kernel."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)[1]
+
+
 class LocalServer:
-    def __init__(self, servicer: DrafterServicer, address: str) -> None:
+    def __init__(self, servicer: DrafterServicer, address: str,
+                 allowed_uids: tuple[int, ...] = ()) -> None:
         self.servicer = servicer
         self.address = address
+        self.allowed = {os.getuid(), *allowed_uids}
+        self._refused: set[int] = set()
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task] = set()
 
@@ -54,6 +74,14 @@ class LocalServer:
             self._remove_file()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        uid = peer_uid(writer.get_extra_info("socket"))
+        if uid not in self.allowed:
+            if uid not in self._refused:
+                self._refused.add(uid)
+                log.warning("refused a local-socket connection from uid %d (allowed: %s; "
+                            "--local-socket-uids adds uids)", uid, sorted(self.allowed))
+            writer.close()
+            return
         task = asyncio.current_task()
         self._conns.add(task)
         try:

@@ -11,7 +11,7 @@ from common.grpc_server import run_server, start_server
 from common.telemetry import DRAFT_SERVICE_NAME, tracer_provider_from_env
 from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine
-from draft_service.local_server import LocalServer
+from draft_service.local_server import LocalServer, peer_check_possible
 from draft_service.observer import DraftObserver, combine
 from draft_service.proposer import Proposer
 from draft_service.servicer import DrafterServicer
@@ -70,9 +70,12 @@ async def start(cfg: DraftConfig, proposer: Proposer | None = None,
     """
     servicer = DrafterServicer(build_engine(cfg, proposer, tracer_provider))
     address = cfg.local_address(servicer.instance_id)
+    if address is not None and not peer_check_possible():
+        log.info("no local socket: this platform cannot tell who connects to it")
+        address = None
     local = None
     if address is not None:     # before the gRPC server: GetInfo may advertise it at once
-        local = LocalServer(servicer, address)
+        local = LocalServer(servicer, address, cfg.local_socket_uids)
         try:
             await local.start()
         except OSError as e:
@@ -82,7 +85,7 @@ async def start(cfg: DraftConfig, proposer: Proposer | None = None,
             servicer.local_socket = address
     server, port = await start_server(
         cfg.host, cfg.port, lambda s: pb_grpc.add_DrafterServicer_to_server(servicer, s),
-        [SERVICE_NAME])
+        [SERVICE_NAME], tls=cfg.server_tls)
     return DraftServer(server, servicer, local), port, servicer.engine
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from common import cli
-from common.cli import RUNTIME, ConfigError, add_runtime, check_model, given
+from common.cli import RUNTIME, ConfigError, add_client_tls, add_runtime, check_model, given
 
 SERVER = "verify_service.server"
 
@@ -34,6 +34,7 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
                    help="wait for the draft's answer and the device without sleeping (one "
                         "busy core while steps run; default auto: on when the device is CUDA)")
     add_runtime(v)
+    add_client_tls(v, "--draft-tls")
 
 
 def config(args: argparse.Namespace):
@@ -44,7 +45,8 @@ def config(args: argparse.Namespace):
         return VerifyConfig(model=args.model, draft=args.draft, **given(
             args, RUNTIME + ("max_batch", "max_model_len", "prefill_tokens",
                              "step_deadline_ms", "reconnect_s", "draft_socket", "busy_poll",
-                             "generation_config", "acceptance")))
+                             "generation_config", "acceptance", "draft_tls_ca",
+                             "draft_tls_cert", "draft_tls_key")))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.service_config import ServiceConfig
+from common.tls import ClientTLS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,6 +26,14 @@ class VerifyConfig(ServiceConfig):
                                       # (recursive rejection sampling with the drafter's q)
     busy_poll: str = "auto"           # wait for drafts and the device without sleeping:
                                       # auto (on when the device is CUDA), on, off
+    draft_tls_ca: str | None = None   # reach the draft over TLS, trusting this CA
+    draft_tls_cert: str | None = None  # and, for mutual TLS, with this certificate
+    draft_tls_key: str | None = None
+
+    @property
+    def draft_tls(self) -> ClientTLS:
+        return ClientTLS(self.draft_tls_ca, self.draft_tls_cert, self.draft_tls_key,
+                         flag="--draft-tls")
 
     def busy(self, device_type: str) -> bool:
         """Whether the engine waits on its event loop without sleeping."""
@@ -41,6 +50,7 @@ class VerifyConfig(ServiceConfig):
         if self.generation_config not in ("auto", "none"):
             raise ValueError("generation_config must be auto or none, got "
                              f"{self.generation_config!r}")
+        self.draft_tls                  # refuses half a pair or an unreadable file
         if self.acceptance not in ("rejection", "coupled"):
             raise ValueError(f"acceptance must be rejection or coupled, got {self.acceptance!r}")
         if self.busy_poll not in ("auto", "on", "off"):

@@ -25,6 +25,7 @@ from common import codec, frames, wire
 from common.aio import cancel_and_wait, spin_until
 from common.grpc_server import MESSAGE_LIMITS
 from common.spec_types import DrafterInfo
+from common.tls import ClientTLS, channel
 from common.tree import TreeBatch
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
@@ -45,8 +46,9 @@ def _settle(fut: asyncio.Future, value: object) -> None:
 class DraftLink:
     def __init__(self, addr: str, reconnect_s: float, deadline_s: float, vocab_size: int,
                  num_layers: int, busy_poll: bool = False, local: bool = True,
-                 rejection: bool = False) -> None:
+                 rejection: bool = False, tls: ClientTLS | None = None) -> None:
         self.addr = addr
+        self.tls = tls
         self.reconnect_s = reconnect_s
         self.deadline_s = deadline_s
         self.vocab_size = vocab_size
@@ -63,6 +65,7 @@ class DraftLink:
         self._task: asyncio.Task | None = None
         self._t_answer = 0
         self._late = 0                       # steps whose answer missed the deadline
+        self._down: str | None = None          # why the draft is unreachable, last logged
         self._closed = False
 
     @property
@@ -103,12 +106,24 @@ class DraftLink:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the draft is a cache; any failure means retry later
-                log.warning("draft %s unavailable: %s", self.addr, e)
+                self._log_down(e)
             await self._drop()
             await asyncio.sleep(self.reconnect_s)
 
+    def _log_down(self, e: Exception) -> None:
+        """One line per change of the reason the draft is unreachable (retries are quiet)."""
+        why = (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError)
+               else str(e)).splitlines()[0]
+        if any(w in why.lower() for w in ("ssl", "handshake", "certificate", "tls")):
+            why += (" (TLS: check --draft-tls-ca/--draft-tls-cert/--draft-tls-key against "
+                    "the draft's --tls-cert and --tls-client-ca)")
+        if why != self._down:
+            log.warning("draft %s unavailable, serving plain decode until it is back "
+                        "(retrying every %gs): %s", self.addr, self.reconnect_s, why)
+            self._down = why
+
     async def _connect_once(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self.addr, options=MESSAGE_LIMITS)
+        self._channel = channel(self.addr, self.tls, MESSAGE_LIMITS)
         stub = pb_grpc.DrafterStub(self._channel)
         info_pb = await stub.GetInfo(pb.DrafterInfoRequest(), timeout=10)
         info = wire.drafter_info_from_pb(info_pb)
@@ -123,6 +138,7 @@ class DraftLink:
         self._call = await self._open_local(info_pb) or stub.Speculate()
         self.carrier = "unix socket" if isinstance(self._call, frames.FrameStream) else "grpc"
         self.sync.reset()
+        self._down = None
         log.info("draft %s connected: %s, envelope %s, steps by %s", self.addr, info.proposer,
                  info.envelope, self.carrier)
         async for msg in self._call:

@@ -55,7 +55,8 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
     link = DraftLink(cfg.draft, cfg.reconnect_s, cfg.step_deadline_ms / 1000,
                      model.spec.vocab_size, model.spec.num_layers, busy,
                      local=cfg.draft_socket != "off",
-                     rejection=cfg.acceptance == "rejection") if cfg.draft else None
+                     rejection=cfg.acceptance == "rejection",
+                     tls=cfg.draft_tls) if cfg.draft else None
     observer, metrics = build_observer(cfg, tracer_provider)
     gen = path / "generation_config.json"
     defaults = checkpoint_defaults(json.loads(gen.read_text())) \
@@ -84,7 +85,8 @@ async def start(cfg: VerifyConfig, tracer_provider: TracerProvider | None = None
     engine.start()
     server, port = await start_server(
         cfg.host, cfg.port, lambda s: pb_grpc.add_GenerationServicer_to_server(servicer, s),
-        [SERVICE], [TracingInterceptor(tracer_provider)] if tracer_provider else None)
+        [SERVICE], [TracingInterceptor(tracer_provider)] if tracer_provider else None,
+        tls=cfg.server_tls)
     return server, port, engine
 
 
