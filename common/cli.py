@@ -53,7 +53,7 @@ def positive_int(text: str) -> int:
 
 
 RUNTIME = ("host", "port", "device", "dtype", "kernels", "num_blocks", "block_size",
-           "metrics_port", "tls_cert", "tls_key", "tls_client_ca")
+           "metrics_port", "tls_cert", "tls_key", "tls_client_ca", "api_key_file")
 
 
 def add_runtime(p: argparse.ArgumentParser) -> None:
@@ -73,14 +73,20 @@ def add_runtime(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
     p.add_argument("--tls-client-ca", metavar="PEM",
                    help="mutual TLS: refuse clients without a certificate of this CA")
+    p.add_argument("--api-key-file", metavar="FILE",
+                   help="bearer tokens, one a line: calls without one of them get "
+                        "UNAUTHENTICATED (health checks stay open)")
 
 
-def add_client_tls(p: argparse.ArgumentParser, prefix: str = "--tls") -> None:
-    """A client's TLS flags (PREFIX-ca, PREFIX-cert, PREFIX-key)."""
+def add_client_tls(p: argparse.ArgumentParser, prefix: str = "--tls",
+                   key_flag: str = "--api-key-file") -> None:
+    """A client's flags: TLS (PREFIX-ca, PREFIX-cert, PREFIX-key) and its bearer token."""
     p.add_argument(f"{prefix}-ca", metavar="PEM",
                    help="speak TLS, trusting this CA for the server's certificate")
     p.add_argument(f"{prefix}-cert", metavar="PEM", help="mutual TLS: this client's certificate")
     p.add_argument(f"{prefix}-key", metavar="PEM", help="and its private key")
+    p.add_argument(key_flag, metavar="FILE",
+                   help="send the first token of this file as a bearer token")
 
 
 def given(args: argparse.Namespace, names: Sequence[str]) -> dict:

@@ -23,6 +23,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.auth import metadata
 from common.tls import ClientTLS, channel
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
@@ -191,8 +192,10 @@ class TreespecClient:
     """Blocking client over one channel; use as a context manager or call close()."""
 
     def __init__(self, addr: str, timeout: float | None = None,
-                 tls: ClientTLS | None = None) -> None:
-        """tls: speak TLS (common.tls.ClientTLS: a CA, and for mutual TLS a certificate)."""
+                 tls: ClientTLS | None = None, api_key: str | None = None) -> None:
+        """tls: speak TLS (common.tls.ClientTLS: a CA, and for mutual TLS a certificate);
+        api_key: the bearer token a server with --api-key-file wants."""
+        self._md = metadata(api_key)
         self.addr = addr
         self.timeout = timeout  # per-call deadline in seconds, None = none
         self._channel = channel(addr, tls, _CHANNEL_OPTIONS, aio=False)
@@ -202,7 +205,7 @@ class TreespecClient:
     def generate_stream(self, prompt: str | None = None, **kw: Unpack[GenerateArgs]) -> Iterator[Chunk]:
         """Chunks as the server commits them; arguments as in `build_request`."""
         call = self._stub.Generate(build_request(prompt, **kw),
-                                   timeout=kw.get("timeout", self.timeout))
+                                   timeout=kw.get("timeout", self.timeout), metadata=self._md)
         try:
             for m in call:
                 yield chunk_from_pb(m)
@@ -219,7 +222,8 @@ class TreespecClient:
 
     def info(self) -> ServerInfo:
         try:
-            return info_from_pb(self._stub.GetInfo(pb.GenerationInfoRequest(), timeout=self.timeout))
+            return info_from_pb(self._stub.GetInfo(pb.GenerationInfoRequest(), timeout=self.timeout,
+                                                   metadata=self._md))
         except grpc.RpcError as e:
             raise TreespecError.from_rpc(e) from None
 
@@ -257,7 +261,8 @@ class AsyncTreespecClient:
     """asyncio client over one grpc.aio channel; `async with` or `await close()`."""
 
     def __init__(self, addr: str, timeout: float | None = None,
-                 tls: ClientTLS | None = None) -> None:
+                 tls: ClientTLS | None = None, api_key: str | None = None) -> None:
+        self._md = metadata(api_key)
         self.addr = addr
         self.timeout = timeout
         self._channel = channel(addr, tls, _CHANNEL_OPTIONS)
@@ -266,7 +271,7 @@ class AsyncTreespecClient:
 
     async def generate_stream(self, prompt: str | None = None, **kw: Unpack[GenerateArgs]) -> AsyncIterator[Chunk]:
         call = self._stub.Generate(build_request(prompt, **kw),
-                                   timeout=kw.get("timeout", self.timeout))
+                                   timeout=kw.get("timeout", self.timeout), metadata=self._md)
         try:
             async for m in call:
                 yield chunk_from_pb(m)
@@ -284,7 +289,8 @@ class AsyncTreespecClient:
     async def info(self) -> ServerInfo:
         try:
             return info_from_pb(await self._stub.GetInfo(pb.GenerationInfoRequest(),
-                                                         timeout=self.timeout))
+                                                         timeout=self.timeout,
+                                                         metadata=self._md))
         except grpc.RpcError as e:
             raise TreespecError.from_rpc(e) from None
 

@@ -8,15 +8,17 @@ import sys
 
 from common.cli import ConfigError, add_client_tls, int_list, positive_int
 from common.client import TreespecClient, tokens_per_step
+from common.auth import read_keys
 from common.tls import ClientTLS
 
 
 def client(args: argparse.Namespace) -> TreespecClient:
     try:
         tls = ClientTLS(args.tls_ca, args.tls_cert, args.tls_key)
+        key = read_keys(args.api_key_file)[0] if args.api_key_file else None
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return TreespecClient(args.addr, tls=tls)
+    return TreespecClient(args.addr, tls=tls, api_key=key.decode() if key else None)
 
 
 def add_generate_arguments(g: argparse.ArgumentParser) -> None:

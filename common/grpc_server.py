@@ -31,6 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import codec
+from common.auth import AuthInterceptor
 from common.errors import InvalidRequest, Unavailable
 from common.tls import ServerTLS
 
@@ -117,17 +118,21 @@ def _bind_address(host: str, port: int) -> str:
 async def start_server(host: str, port: int, add_servicers: Callable[[grpc.aio.Server], None],
                        service_names: list[str],
                        interceptors: list[grpc.aio.ServerInterceptor] | None = None,
-                       tls: ServerTLS | None = None) -> tuple[grpc.aio.Server, int]:
+                       tls: ServerTLS | None = None, api_keys: tuple[bytes, ...] | None = None
+                       ) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server with error mapping, health and reflection.
 
     add_servicers registers the service's own servicers; service_names are their
     full names (e.g. "treespec.v1.Drafter"), each reported SERVING by health and
     listed by reflection. port 0 binds a free port; returns (server, bound port).
     interceptors (e.g. tracing) run outside the error mapping, first one outermost.
-    tls on: the port serves TLS only (mutual TLS when it names a client CA).
+    tls on: the port serves TLS only (mutual TLS when it names a client CA); api_keys:
+    every call but health checks needs one of them (common.auth).
     """
-    server = grpc.aio.server(interceptors=[*(interceptors or ()), ErrorMappingInterceptor()],
-                             options=MESSAGE_LIMITS)
+    auth = [AuthInterceptor(api_keys)] if api_keys else []
+    server = grpc.aio.server(
+        interceptors=[*auth, *(interceptors or ()), ErrorMappingInterceptor()],
+        options=MESSAGE_LIMITS)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

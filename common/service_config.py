@@ -25,6 +25,12 @@ class ServiceConfig:
     tls_cert: str | None = None       # serve TLS with this certificate chain (PEM)
     tls_key: str | None = None        # and this private key
     tls_client_ca: str | None = None  # mutual TLS: clients need a certificate of this CA
+    api_key_file: str | None = None   # bearer tokens, one a line: calls need one of them
+
+    @property
+    def api_keys(self) -> tuple[bytes, ...] | None:
+        from common.auth import read_keys      # common.auth holds grpc; engines do not
+        return read_keys(self.api_key_file) if self.api_key_file else None
 
     @property
     def server_tls(self) -> ServerTLS:
@@ -38,3 +44,4 @@ class ServiceConfig:
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.server_tls                 # refuses half a pair or an unreadable file
+        self.api_keys                   # and an unreadable or empty key file

@@ -85,7 +85,7 @@ async def start(cfg: DraftConfig, proposer: Proposer | None = None,
             servicer.local_socket = address
     server, port = await start_server(
         cfg.host, cfg.port, lambda s: pb_grpc.add_DrafterServicer_to_server(servicer, s),
-        [SERVICE_NAME], tls=cfg.server_tls)
+        [SERVICE_NAME], tls=cfg.server_tls, api_keys=cfg.api_keys)
     return DraftServer(server, servicer, local), port, servicer.engine
 
 

@@ -34,7 +34,7 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
                    help="wait for the draft's answer and the device without sleeping (one "
                         "busy core while steps run; default auto: on when the device is CUDA)")
     add_runtime(v)
-    add_client_tls(v, "--draft-tls")
+    add_client_tls(v, "--draft-tls", "--draft-api-key-file")
 
 
 def config(args: argparse.Namespace):
@@ -46,7 +46,7 @@ def config(args: argparse.Namespace):
             args, RUNTIME + ("max_batch", "max_model_len", "prefill_tokens",
                              "step_deadline_ms", "reconnect_s", "draft_socket", "busy_poll",
                              "generation_config", "acceptance", "draft_tls_ca",
-                             "draft_tls_cert", "draft_tls_key")))
+                             "draft_tls_cert", "draft_tls_key", "draft_api_key_file")))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -29,6 +29,14 @@ class VerifyConfig(ServiceConfig):
     draft_tls_ca: str | None = None   # reach the draft over TLS, trusting this CA
     draft_tls_cert: str | None = None  # and, for mutual TLS, with this certificate
     draft_tls_key: str | None = None
+    draft_api_key_file: str | None = None   # a bearer token for the draft (its first)
+
+    @property
+    def draft_api_key(self) -> str | None:
+        if not self.draft_api_key_file:
+            return None
+        from common.auth import read_keys
+        return read_keys(self.draft_api_key_file, "--draft-api-key-file")[0].decode()
 
     @property
     def draft_tls(self) -> ClientTLS:
@@ -51,6 +59,7 @@ class VerifyConfig(ServiceConfig):
             raise ValueError("generation_config must be auto or none, got "
                              f"{self.generation_config!r}")
         self.draft_tls                  # refuses half a pair or an unreadable file
+        self.draft_api_key
         if self.acceptance not in ("rejection", "coupled"):
             raise ValueError(f"acceptance must be rejection or coupled, got {self.acceptance!r}")
         if self.busy_poll not in ("auto", "on", "off"):

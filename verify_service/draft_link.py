@@ -25,6 +25,7 @@ from common import codec, frames, wire
 from common.aio import cancel_and_wait, spin_until
 from common.grpc_server import MESSAGE_LIMITS
 from common.spec_types import DrafterInfo
+from common.auth import metadata
 from common.tls import ClientTLS, channel
 from common.tree import TreeBatch
 from protos.treespec.v1 import treespec_pb2 as pb
@@ -46,9 +47,11 @@ def _settle(fut: asyncio.Future, value: object) -> None:
 class DraftLink:
     def __init__(self, addr: str, reconnect_s: float, deadline_s: float, vocab_size: int,
                  num_layers: int, busy_poll: bool = False, local: bool = True,
-                 rejection: bool = False, tls: ClientTLS | None = None) -> None:
+                 rejection: bool = False, tls: ClientTLS | None = None,
+                 api_key: str | None = None) -> None:
         self.addr = addr
         self.tls = tls
+        self._md = metadata(api_key)
         self.reconnect_s = reconnect_s
         self.deadline_s = deadline_s
         self.vocab_size = vocab_size
@@ -125,7 +128,7 @@ class DraftLink:
     async def _connect_once(self) -> None:
         self._channel = channel(self.addr, self.tls, MESSAGE_LIMITS)
         stub = pb_grpc.DrafterStub(self._channel)
-        info_pb = await stub.GetInfo(pb.DrafterInfoRequest(), timeout=10)
+        info_pb = await stub.GetInfo(pb.DrafterInfoRequest(), timeout=10, metadata=self._md)
         info = wire.drafter_info_from_pb(info_pb)
         if info.vocab_size > self.vocab_size:
             raise RuntimeError(f"draft vocabulary {info.vocab_size} exceeds the target's "
@@ -135,7 +138,7 @@ class DraftLink:
             raise RuntimeError(f"draft wants hidden states of target layers {bad}, but the "
                                f"target has layers 0..{self.num_layers}; not using this draft")
         self._info = info
-        self._call = await self._open_local(info_pb) or stub.Speculate()
+        self._call = await self._open_local(info_pb) or stub.Speculate(metadata=self._md)
         self.carrier = "unix socket" if isinstance(self._call, frames.FrameStream) else "grpc"
         self.sync.reset()
         self._down = None

@@ -56,7 +56,7 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
                      model.spec.vocab_size, model.spec.num_layers, busy,
                      local=cfg.draft_socket != "off",
                      rejection=cfg.acceptance == "rejection",
-                     tls=cfg.draft_tls) if cfg.draft else None
+                     tls=cfg.draft_tls, api_key=cfg.draft_api_key) if cfg.draft else None
     observer, metrics = build_observer(cfg, tracer_provider)
     gen = path / "generation_config.json"
     defaults = checkpoint_defaults(json.loads(gen.read_text())) \
@@ -86,7 +86,7 @@ async def start(cfg: VerifyConfig, tracer_provider: TracerProvider | None = None
     server, port = await start_server(
         cfg.host, cfg.port, lambda s: pb_grpc.add_GenerationServicer_to_server(servicer, s),
         [SERVICE], [TracingInterceptor(tracer_provider)] if tracer_provider else None,
-        tls=cfg.server_tls)
+        tls=cfg.server_tls, api_keys=cfg.api_keys)
     return server, port, engine
 
 
