@@ -53,7 +53,7 @@ def positive_int(text: str) -> int:
 
 
 RUNTIME = ("host", "port", "device", "dtype", "kernels", "num_blocks", "block_size",
-           "metrics_port", "tls_cert", "tls_key", "tls_client_ca", "api_key_file")
+           "metrics_port", "tls_cert", "tls_key", "tls_client_ca", "api_key_file", "reflection")
 
 
 def add_runtime(p: argparse.ArgumentParser) -> None:
@@ -76,6 +76,8 @@ def add_runtime(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", metavar="FILE",
                    help="bearer tokens, one a line: calls without one of them get "
                         "UNAUTHENTICATED (health checks stay open)")
+    p.add_argument("--reflection", choices=["auto", "on", "off"],
+                   help="serve gRPC reflection (default auto: only on a loopback address)")
 
 
 def add_client_tls(p: argparse.ArgumentParser, prefix: str = "--tls",

@@ -118,8 +118,8 @@ def _bind_address(host: str, port: int) -> str:
 async def start_server(host: str, port: int, add_servicers: Callable[[grpc.aio.Server], None],
                        service_names: list[str],
                        interceptors: list[grpc.aio.ServerInterceptor] | None = None,
-                       tls: ServerTLS | None = None, api_keys: tuple[bytes, ...] | None = None
-                       ) -> tuple[grpc.aio.Server, int]:
+                       tls: ServerTLS | None = None, api_keys: tuple[bytes, ...] | None = None,
+                       reflect: bool = True) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server with error mapping, health and reflection.
 
     add_servicers registers the service's own servicers; service_names are their
@@ -127,7 +127,8 @@ async def start_server(host: str, port: int, add_servicers: Callable[[grpc.aio.S
     listed by reflection. port 0 binds a free port; returns (server, bound port).
     interceptors (e.g. tracing) run outside the error mapping, first one outermost.
     tls on: the port serves TLS only (mutual TLS when it names a client CA); api_keys:
-    every call but health checks needs one of them (common.auth).
+    every call but health checks needs one of them (common.auth); reflect: serve
+    gRPC reflection.
     """
     auth = [AuthInterceptor(api_keys)] if api_keys else []
     server = grpc.aio.server(
@@ -137,8 +138,9 @@ async def start_server(host: str, port: int, add_servicers: Callable[[grpc.aio.S
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    reflection.enable_server_reflection([*service_names, health_name, reflection.SERVICE_NAME],
-                                        server)
+    if reflect:
+        reflection.enable_server_reflection(
+            [*service_names, health_name, reflection.SERVICE_NAME], server)
     creds = tls.credentials() if tls is not None else None
     addr = _bind_address(host, port)
     bound = (server.add_secure_port(addr, creds) if creds is not None

@@ -7,6 +7,7 @@ keyword-only dataclass with its own fields and checks.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from common.tls import ServerTLS
@@ -26,6 +27,16 @@ class ServiceConfig:
     tls_key: str | None = None        # and this private key
     tls_client_ca: str | None = None  # mutual TLS: clients need a certificate of this CA
     api_key_file: str | None = None   # bearer tokens, one a line: calls need one of them
+    reflection: str = "auto"          # gRPC reflection: auto = on for a loopback bind only
+
+    @property
+    def reflect(self) -> bool:
+        if self.reflection != "auto":
+            return self.reflection == "on"
+        try:
+            return self.host == "localhost" or ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
 
     @property
     def api_keys(self) -> tuple[bytes, ...] | None:
@@ -45,3 +56,5 @@ class ServiceConfig:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.server_tls                 # refuses half a pair or an unreadable file
         self.api_keys                   # and an unreadable or empty key file
+        if self.reflection not in ("auto", "on", "off"):
+            raise ValueError(f"--reflection wants auto, on or off, got {self.reflection!r}")

@@ -85,7 +85,8 @@ async def start(cfg: DraftConfig, proposer: Proposer | None = None,
             servicer.local_socket = address
     server, port = await start_server(
         cfg.host, cfg.port, lambda s: pb_grpc.add_DrafterServicer_to_server(servicer, s),
-        [SERVICE_NAME], tls=cfg.server_tls, api_keys=cfg.api_keys)
+        [SERVICE_NAME], tls=cfg.server_tls, api_keys=cfg.api_keys,
+        reflect=cfg.reflect)
     return DraftServer(server, servicer, local), port, servicer.engine
 
 

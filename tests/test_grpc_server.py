@@ -42,10 +42,11 @@ class Faulty(pb_grpc.DrafterServicer):
             yield pb.Proposal(step_id=req.step_id)
 
 
-async def _with_server(body) -> None:
+async def _with_server(body, reflect: bool = True) -> None:
     servicer = Faulty()
     server, port = await start_server(
-        "127.0.0.1", 0, lambda s: pb_grpc.add_DrafterServicer_to_server(servicer, s), [DRAFTER])
+        "127.0.0.1", 0, lambda s: pb_grpc.add_DrafterServicer_to_server(servicer, s), [DRAFTER],
+        reflect=reflect)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             await body(ch, servicer)
@@ -108,6 +109,25 @@ def test_health_and_reflection():
         assert "grpc.reflection.v1alpha.ServerReflection" in names
 
     asyncio.run(_with_server(body))
+
+
+def test_reflection_is_off_where_asked_and_by_default_off_loopback():
+    async def body(ch, servicer):
+        async def ask():
+            yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [r async for r in reflection_pb2_grpc.ServerReflectionStub(ch)
+             .ServerReflectionInfo(ask())]
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+    asyncio.run(_with_server(body, reflect=False))
+    from common.service_config import ServiceConfig
+    assert ServiceConfig(host="127.0.0.1").reflect and ServiceConfig(host="::1").reflect
+    assert not ServiceConfig(host="0.0.0.0").reflect
+    assert not ServiceConfig(host="10.1.2.3").reflect
+    assert ServiceConfig(host="0.0.0.0", reflection="on").reflect
+    assert not ServiceConfig(host="127.0.0.1", reflection="off").reflect
 
 
 SERVE_SCRIPT = textwrap.dedent("""

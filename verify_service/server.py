@@ -86,7 +86,8 @@ async def start(cfg: VerifyConfig, tracer_provider: TracerProvider | None = None
     server, port = await start_server(
         cfg.host, cfg.port, lambda s: pb_grpc.add_GenerationServicer_to_server(servicer, s),
         [SERVICE], [TracingInterceptor(tracer_provider)] if tracer_provider else None,
-        tls=cfg.server_tls, api_keys=cfg.api_keys)
+        tls=cfg.server_tls, api_keys=cfg.api_keys,
+        reflect=cfg.reflect)
     return server, port, engine
 
 
