@@ -45,7 +45,9 @@ class ServiceConfig:
 
     @property
     def server_tls(self) -> ServerTLS:
-        return ServerTLS(self.tls_cert, self.tls_key, self.tls_client_ca)
+        # an empty path is no path (compose passes --tls-cert= when TLS is off)
+        return ServerTLS(self.tls_cert or None, self.tls_key or None,
+                         self.tls_client_ca or None)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

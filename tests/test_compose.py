@@ -98,6 +98,11 @@ def test_compose_shape():
     assert moved["verify"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] \
         == ["5"]
     assert {"--envelope=tree-wide", "--method=ngram"} <= set(moved["draft"]["command"])
+    # TLS is off unless its variables name files under the mounted /certs
+    assert "--tls-cert=" in s["draft"]["command"] and "--draft-tls-ca=" in s["verify"]["command"]
+    tls = load({"TLS_CERT": "/certs/server.pem", "DRAFT_TLS_CA": "/certs/ca.pem"})["services"]
+    assert "--tls-cert=/certs/server.pem" in tls["draft"]["command"]
+    assert "--draft-tls-ca=/certs/ca.pem" in tls["verify"]["command"]
 
 
 def test_docker_compose_config_agrees(overrides):
@@ -116,7 +121,8 @@ def test_docker_compose_config_agrees(overrides):
             assert theirs[name]["command"] == ours[name]["command"]
             assert theirs[name]["healthcheck"]["test"] == ours[name]["healthcheck"]["test"]
             assert theirs[name]["environment"] == ours[name]["environment"]
-            models, run = theirs[name]["volumes"]
+            models, certs, run = theirs[name]["volumes"]
+            assert (certs["target"], certs["read_only"]) == ("/certs", True)
             src, dst, _ = ours[name]["volumes"][0].split(":")
             assert (models["target"], models["read_only"]) == (dst, True)
             assert Path(models["source"]) == (ROOT / src).resolve()

@@ -40,8 +40,8 @@ class VerifyConfig(ServiceConfig):
 
     @property
     def draft_tls(self) -> ClientTLS:
-        return ClientTLS(self.draft_tls_ca, self.draft_tls_cert, self.draft_tls_key,
-                         flag="--draft-tls")
+        return ClientTLS(self.draft_tls_ca or None, self.draft_tls_cert or None,
+                         self.draft_tls_key or None, flag="--draft-tls")
 
     def busy(self, device_type: str) -> bool:
         """Whether the engine waits on its event loop without sleeping."""
