@@ -61,12 +61,34 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
     await context.abort(code, details)
 
 
-def _wrap(behavior: Callable, method: str) -> Callable:
-    """The same async handler behaviour, with exceptions mapped to status codes."""
+def _parser(deserialize: Callable | None, method: str) -> Callable:
+    """bytes -> request; a message that does not decode is the client's error."""
+    def parse(raw: Any) -> Any:
+        if deserialize is None:
+            return raw
+        try:
+            return deserialize(raw)
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and kin
+            raise InvalidRequest(f"undecodable {method.rsplit('/', 1)[-1]} request: "
+                                 f"{type(e).__name__}: {e}") from None
+    return parse
+
+
+def _wrap(behavior: Callable, method: str, parse: Callable, streaming: bool) -> Callable:
+    """The same async handler behaviour, taking raw bytes (parsed here, so that an
+    undecodable message is INVALID_ARGUMENT, not a traceback), with exceptions mapped
+    to status codes."""
+    async def requests(raw_iter: AsyncIterator) -> AsyncIterator:
+        async for raw in raw_iter:
+            yield parse(raw)
+
+    def inputs(raw: Any) -> Any:
+        return requests(raw) if streaming else parse(raw)
+
     if inspect.isasyncgenfunction(behavior):
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
             try:
-                async for response in behavior(request, context):
+                async for response in behavior(inputs(request), context):
                     yield response
             except grpc.aio.AbortError:
                 raise
@@ -76,7 +98,7 @@ def _wrap(behavior: Callable, method: str) -> Callable:
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await behavior(request, context)
+            return await behavior(inputs(request), context)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -104,8 +126,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                     (True, False): handler.stream_unary, (True, True): handler.stream_stream}[kind]
         if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
             return handler      # a sync handler runs in grpc's thread pool, as it is
-        return self._factories[kind](_wrap(behavior, details.method),
-                                     request_deserializer=handler.request_deserializer,
+        parse = _parser(handler.request_deserializer, details.method)
+        return self._factories[kind](_wrap(behavior, details.method, parse, kind[0]),
+                                     request_deserializer=None,
                                      response_serializer=handler.response_serializer)
 
 

@@ -111,6 +111,32 @@ def test_health_and_reflection():
     asyncio.run(_with_server(body))
 
 
+def test_undecodable_messages_are_invalid_argument():
+    """Bytes that are no protobuf of the method's type: INVALID_ARGUMENT naming the
+    method, for a unary call and inside a stream (not a deserializer traceback)."""
+    async def body(ch, servicer):
+        garbage = b"\xff\xff\xff\xff"
+        info = ch.unary_unary(f"/{DRAFTER}/GetInfo")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await info(garbage)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "undecodable GetInfo request" in err.value.details()
+
+        async def frames():
+            yield pb.SpeculateRequest(step_id=1).SerializeToString()
+            yield garbage
+
+        speculate = ch.stream_stream(f"/{DRAFTER}/Speculate")
+        got = []
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for raw in speculate(frames()):
+                got.append(pb.Proposal.FromString(raw).step_id)
+        assert got == [1] and err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "undecodable Speculate request" in err.value.details()
+
+    asyncio.run(_with_server(body))
+
+
 def test_reflection_is_off_where_asked_and_by_default_off_loopback():
     async def body(ch, servicer):
         async def ask():
