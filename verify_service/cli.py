@@ -16,6 +16,8 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
     v.add_argument("--max-batch", type=int, help="running sequences per step")
     v.add_argument("--max-model-len", type=int, help="0 = the checkpoint's context")
     v.add_argument("--prefill-tokens", type=int, help="prompt tokens admitted per iteration")
+    v.add_argument("--max-prompt-bytes", type=int,
+                   help="refuse a text prompt longer than this, unread (default 1 MiB)")
     v.add_argument("--step-deadline-ms", type=float, help="wait for a proposal, then plain decode")
     v.add_argument("--reconnect-s", type=float, help="retry period while the draft is down")
     v.add_argument("--draft-socket", choices=["auto", "off"],
@@ -46,7 +48,8 @@ def config(args: argparse.Namespace):
             args, RUNTIME + ("max_batch", "max_model_len", "prefill_tokens",
                              "step_deadline_ms", "reconnect_s", "draft_socket", "busy_poll",
                              "generation_config", "acceptance", "draft_tls_ca",
-                             "draft_tls_cert", "draft_tls_key", "draft_api_key_file")))
+                             "draft_tls_cert", "draft_tls_key", "draft_api_key_file",
+                             "max_prompt_bytes")))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

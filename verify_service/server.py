@@ -67,7 +67,8 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
     if metrics is not None:
         metrics.watch(engine)
         metrics.serve(cfg.host, cfg.metrics_port)
-    return engine, GenerationServicer(engine, load_tokenizer(path), str(cfg.model))
+    return engine, GenerationServicer(engine, load_tokenizer(path), str(cfg.model),
+                                      cfg.max_prompt_bytes)
 
 
 async def start(cfg: VerifyConfig, tracer_provider: TracerProvider | None = None

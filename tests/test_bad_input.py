@@ -1,0 +1,63 @@
+"""A client's mistakes cost it alone: INVALID_ARGUMENT naming the field, refused before
+any work; a multi-megabyte text prompt is refused unread or tokenized off the event
+loop, so other streams keep flowing (the shipped tiny-code target, which has a
+tokenizer, plain decode)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from common.client import AsyncTreespecClient, TreespecError
+from inproc import services
+
+TARGET = "tiny-code"
+
+
+def test_fields_are_checked_before_any_work():
+    async def go():
+        async with services(TARGET, max_prompt_bytes=1 << 20) as h:
+            async with AsyncTreespecClient(h["addr"]) as c:
+                cases = [(dict(prompt_ids=[1, 2], stop_token_ids=[10 ** 9]), "stop_token_ids"),
+                         (dict(prompt_ids=[1, 2], stop_token_ids=list(range(2000))),
+                          "stop_token_ids"),
+                         (dict(prompt_ids=[1, 2], request_id="x" * 100_000), "request_id"),
+                         (dict(prompt="y" * (2 << 20)), "prompt")]
+                for kw, field in cases:
+                    with pytest.raises(TreespecError) as err:
+                        await c.generate(max_tokens=4, **kw)
+                    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+                    assert field in str(err.value)
+    asyncio.run(go())
+
+
+def test_a_long_prompt_does_not_stall_other_streams():
+    """One 1 MB prompt (just under the cap; tokenizing it takes the better part of a
+    second) while another stream decodes: the other's tokens keep arriving."""
+    async def go():
+        async with services(TARGET, max_prompt_bytes=2 << 20) as h:
+            async with AsyncTreespecClient(h["addr"]) as c:
+                gaps, last = [], None
+
+                async def steady():
+                    nonlocal last
+                    async for _ in c.generate_stream(prompt_ids=[1, 2, 3], max_tokens=200,
+                                                     ignore_eos=True):
+                        now = time.perf_counter()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+
+                async def big():
+                    await asyncio.sleep(0.2)
+                    with pytest.raises(TreespecError):   # longer than the model's context
+                        await c.generate(prompt="def f(x):\n    return x\n" * 40_000,
+                                         max_tokens=1)
+                t0 = time.perf_counter()
+                await asyncio.gather(steady(), big())
+                return max(gaps), time.perf_counter() - t0
+    worst, took = asyncio.run(go())
+    assert worst < 0.5, (worst, took)
