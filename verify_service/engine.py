@@ -118,6 +118,7 @@ class VerifyEngine:
         """Finish nothing new; cancel what runs; return every page."""
         self._stopping = True
         for seq in list(self.waiting) + self.running:
+            seq.aborted = seq.finish is None
             self.cancel(seq)
         self._wake.set()
         await cancel_and_wait(self._task)
@@ -156,7 +157,7 @@ class VerifyEngine:
                 keep.append(seq)
                 continue
             if seq.finish is None:
-                seq.finish = "cancelled"
+                seq.finish = "abort" if seq.aborted else "cancelled"
                 self.observer.finished(seq)
                 seq.emit([])
             self.cache.release(seq.pages)
@@ -165,7 +166,7 @@ class VerifyEngine:
         self.running = keep
         for seq in [s for s in self.waiting if s.cancelled or force]:
             self.waiting.remove(seq)
-            seq.finish = "cancelled"
+            seq.finish = "abort" if seq.aborted else "cancelled"
             self.observer.finished(seq)
             seq.emit([])
 

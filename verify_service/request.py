@@ -7,7 +7,8 @@ from typing import Literal
 
 from common.errors import InvalidRequest
 
-FinishReason = Literal["length", "stop", "cancelled"]
+# abort: the server stopped before the request finished (it ends UNAVAILABLE)
+FinishReason = Literal["length", "stop", "cancelled", "abort"]
 
 
 @dataclass(frozen=True)

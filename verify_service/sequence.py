@@ -31,6 +31,7 @@ class Sequence:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     finish: FinishReason | None = None
     cancelled: bool = False
+    aborted: bool = False             # cut by the server's stop, not by its client
     error: str | None = None          # set when the engine failed this sequence
     accepted_path: list[int] = field(default_factory=list)  # nodes of its last tree
     # Target hidden states [kv_len, C] of every token whose KV is written, kept on

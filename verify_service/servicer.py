@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 
 from common import wire
-from common.errors import InvalidRequest
+from common.errors import InvalidRequest, Unavailable
 from common.tokenizer import Detokenizer
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
@@ -92,6 +92,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 out = await seq.out.get()
                 if out.error is not None:
                     raise EngineFailure(out.error)
+                if out.finish_reason == "abort":
+                    raise Unavailable(f"the server stopped before this request finished "
+                                      f"({out.stats.completion_tokens} tokens were sent); "
+                                      "retry it")
                 done = out.finish_reason is not None
                 msg = pb.GenerateResponse(token_ids=out.token_ids,
                                           text=detok.push(out.token_ids, final=done))

@@ -1,0 +1,36 @@
+"""A request the server's stop cuts short ends UNAVAILABLE (the SDK raises), never as
+a finished stream that looks complete; its pages return."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from common.client import AsyncTreespecClient, TreespecError
+from inproc import services
+
+
+def test_a_stopped_server_ends_running_streams_unavailable(target_dir):
+    async def go():
+        async with services(target_dir) as h:
+            engine = h["engine"]
+            before = engine.cache.blocks.num_free
+            async with AsyncTreespecClient(h["addr"]) as c:
+                got: list[int] = []
+
+                async def long():
+                    async for chunk in c.generate_stream(prompt_ids=[1, 2, 3],
+                                                         max_tokens=400, ignore_eos=True):
+                        got.extend(chunk.token_ids)
+                        if len(got) >= 5 and not engine._stopping:
+                            asyncio.get_running_loop().create_task(engine.stop())
+
+                with pytest.raises(TreespecError) as err:
+                    await long()
+                return err.value, got, engine.cache.blocks.num_free, before
+    err, got, free, before = asyncio.run(go())
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "stopped" in err.details
+    assert 5 <= len(got) < 400
+    assert free == before                           # every page back
