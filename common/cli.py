@@ -14,7 +14,10 @@ helpers both services use and the one place a server module is started
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
+import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -115,6 +118,14 @@ def run_server(module: str, cfg) -> None:
             raise
         raise ConfigError(f"{module} is not part of this install") from None
     server.run(cfg)
+    # Stopped cleanly: leave without the interpreter's teardown, in which native
+    # extensions (triton's nanobind bindings) print ~30 lines of "leaked" objects
+    # that read like a crash. Exit handlers (trace export) and logs still run first.
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
