@@ -11,3 +11,7 @@ class InvalidRequest(ValueError):
 
 class Unavailable(RuntimeError):
     """The service cannot take the request now (shutting down, out of KV pages)."""
+
+
+class Overloaded(RuntimeError):
+    """Too many requests wait already: maps to RESOURCE_EXHAUSTED (retry later)."""

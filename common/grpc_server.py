@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common import codec
 from common.auth import AuthInterceptor
-from common.errors import InvalidRequest, Unavailable
+from common.errors import InvalidRequest, Overloaded, Unavailable
 from common.tls import ServerTLS
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, Unavailable):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 

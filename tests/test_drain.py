@@ -34,3 +34,20 @@ def test_a_stopped_server_ends_running_streams_unavailable(target_dir):
     assert err.code == grpc.StatusCode.UNAVAILABLE and "stopped" in err.details
     assert 5 <= len(got) < 400
     assert free == before                           # every page back
+
+
+def test_requests_beyond_max_waiting_are_resource_exhausted(target_dir):
+    """max_batch 1 and max_waiting 2: of 6 concurrent requests, one runs, two wait and
+    three are refused at once with RESOURCE_EXHAUSTED; the admitted ones finish."""
+    async def go():
+        async with services(target_dir, max_batch=1, max_waiting=2) as h:
+            async with AsyncTreespecClient(h["addr"]) as c:
+                async def one():
+                    try:
+                        return len((await c.generate(prompt_ids=[1, 2, 3], max_tokens=30,
+                                                     ignore_eos=True)).token_ids)
+                    except TreespecError as e:
+                        return e.code
+                return await asyncio.gather(*(one() for _ in range(6)))
+    got = asyncio.run(go())
+    assert sorted(map(str, got)) == sorted(["30"] * 3 + [str(grpc.StatusCode.RESOURCE_EXHAUSTED)] * 3), got

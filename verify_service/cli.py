@@ -18,6 +18,9 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
     v.add_argument("--prefill-tokens", type=int, help="prompt tokens admitted per iteration")
     v.add_argument("--max-prompt-bytes", type=int,
                    help="refuse a text prompt longer than this, unread (default 1 MiB)")
+    v.add_argument("--max-waiting", type=int,
+                   help="requests that may wait for a batch slot; more get "
+                        "RESOURCE_EXHAUSTED (default 1024)")
     v.add_argument("--step-deadline-ms", type=float, help="wait for a proposal, then plain decode")
     v.add_argument("--reconnect-s", type=float, help="retry period while the draft is down")
     v.add_argument("--draft-socket", choices=["auto", "off"],
@@ -49,7 +52,7 @@ def config(args: argparse.Namespace):
                              "step_deadline_ms", "reconnect_s", "draft_socket", "busy_poll",
                              "generation_config", "acceptance", "draft_tls_ca",
                              "draft_tls_cert", "draft_tls_key", "draft_api_key_file",
-                             "max_prompt_bytes")))
+                             "max_prompt_bytes", "max_waiting")))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

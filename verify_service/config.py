@@ -17,6 +17,7 @@ class VerifyConfig(ServiceConfig):
     max_model_len: int = 0            # 0 = the checkpoint's max_position_embeddings
     prefill_tokens: int = 4096        # prompt tokens admitted per engine iteration
     max_prompt_bytes: int = 1 << 20   # a text prompt longer than this is refused unread
+    max_waiting: int = 1024           # requests queued beyond the batch; more: refused
     step_deadline_ms: float = 100.0   # wait this long for a proposal, then plain decode
     reconnect_s: float = 1.0          # retry period while the draft is unreachable
     draft_socket: str = "auto"        # auto: the draft's local socket if reachable; off: gRPC
@@ -54,8 +55,8 @@ class VerifyConfig(ServiceConfig):
             raise ValueError(f"--draft wants HOST:PORT, got {self.draft!r}")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
-        if self.max_prompt_bytes < 1:
-            raise ValueError("--max-prompt-bytes must be >= 1")
+        if self.max_prompt_bytes < 1 or self.max_waiting < 1:
+            raise ValueError("--max-prompt-bytes and --max-waiting must be >= 1")
         if self.draft_socket not in ("auto", "off"):
             raise ValueError(f"draft_socket must be auto or off, got {self.draft_socket!r}")
         if self.generation_config not in ("auto", "none"):

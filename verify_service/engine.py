@@ -22,7 +22,7 @@ from collections import Counter, deque
 
 from common import sampling
 from common.aio import cancel_and_wait
-from common.errors import InvalidRequest, Unavailable
+from common.errors import InvalidRequest, Overloaded, Unavailable
 from common.qwen3 import Qwen3Model
 from common.row_buffer import RowBuffer
 from common.tree import TreeBatch, validate_tree
@@ -42,13 +42,14 @@ class VerifyEngine:
                  max_model_len: int, prefill_tokens: int, link: Drafter | None = None,
                  kernels: str = "auto", busy_poll: bool = False,
                  observer: EngineObserver | None = None,
-                 sampling_defaults: dict | None = None) -> None:
+                 sampling_defaults: dict | None = None, max_waiting: int = 1024) -> None:
         self.model = model
         self.spec = model.spec
         self.cache = model.new_cache(num_blocks, block_size)
         self.verifier = Verifier(model, self.cache, select(model.device, kernels))
         self.runner = StepRunner(self.verifier, busy_poll)
         self.max_batch = max_batch
+        self.max_waiting = max_waiting
         self.max_model_len = max_model_len or model.spec.max_position
         self.prefill_tokens = prefill_tokens
         self.link = link
@@ -74,6 +75,9 @@ class VerifyEngine:
         if self._stopping:
             raise Unavailable("the verify service is shutting down")
         self._check(req)
+        if len(self.waiting) >= self.max_waiting:
+            raise Overloaded(f"{len(self.waiting)} requests wait already (--max-waiting); "
+                             "retry later")
         stop = set(req.stop_token_ids)
         if not req.ignore_eos:
             stop |= set(self.spec.eos_token_ids)

@@ -63,7 +63,8 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
         if cfg.generation_config == "auto" and gen.exists() else {}
     engine = VerifyEngine(model, cfg.num_blocks, cfg.block_size, cfg.max_batch,
                           cfg.max_model_len, cfg.prefill_tokens, link=link, kernels=cfg.kernels,
-                          busy_poll=busy, observer=observer, sampling_defaults=defaults)
+                          busy_poll=busy, observer=observer, sampling_defaults=defaults,
+                          max_waiting=cfg.max_waiting)
     if metrics is not None:
         metrics.watch(engine)
         metrics.serve(cfg.host, cfg.metrics_port)
