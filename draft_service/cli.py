@@ -24,6 +24,8 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--ngram-max", type=int, help="longest suffix the n-gram proposer matches")
     d.add_argument("--ngram-min", type=int, help="shortest suffix the n-gram proposer matches")
     d.add_argument("--max-sequences", type=int, help="sequences whose state the draft keeps")
+    d.add_argument("--max-model-len", type=int,
+                   help="committed tokens a sequence may have (default 131072)")
     d.add_argument("--draft-sampling", choices=["sample", "deterministic"],
                    help="how model drafters draft a sampling request: sample (default: "
                         "they draw with the request's seeded noise, as its acceptance "
@@ -50,7 +52,8 @@ def config(args: argparse.Namespace):
         cfg = DraftConfig(method=args.method, envelope=env, model=args.model,
                           **given(args, RUNTIME + ("ngram_max", "ngram_min", "max_sequences",
                                                    "target_embeddings", "local_socket",
-                                                   "draft_sampling", "local_socket_uids")))
+                                                   "draft_sampling", "local_socket_uids",
+                                                   "max_model_len")))
         if cfg.method == "eagle3":
             from draft_service.eagle3_head import embedding_source
             embedding_source(resolve_model(cfg.model), cfg.target_embeddings)

@@ -19,6 +19,7 @@ class DraftConfig(ServiceConfig):
     ngram_max: int = 4                # longest suffix the n-gram proposer matches
     ngram_min: int = 1
     max_sequences: int = 256          # sequences whose state the draft keeps
+    max_model_len: int = 131072       # committed tokens a sequence may have
     # how a model drafter drafts a sampling request: sample (with the request's seeded
     # noise, as its acceptance needs) or deterministic (top-k by log-prob)
     draft_sampling: str = "sample"
@@ -49,8 +50,8 @@ class DraftConfig(ServiceConfig):
         if self.draft_sampling not in ("sample", "deterministic"):
             raise ValueError("--draft-sampling wants sample or deterministic, got "
                              f"{self.draft_sampling!r}")
-        if self.max_sequences < 1:
-            raise ValueError("max_sequences must be >= 1")
+        if self.max_sequences < 1 or self.max_model_len < 1:
+            raise ValueError("--max-sequences and --max-model-len must be >= 1")
         if self.local_socket in ("", "@"):
             raise ValueError("--local-socket wants auto, off, a socket path or @name, "
                              f"got {self.local_socket!r}")

@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 # a step slower than this is logged with what it carried (a verify service waits
 # 100 ms by default before it decodes the step without a tree)
 SLOW_STEP_MS = 50.0
+# sequences one request may carry (or --max-sequences, if larger): a batch past the
+# sequences the draft keeps evicts the oldest, past this it is refused unread
+MAX_REQUEST_SEQS = 1024
 
 
 @dataclass
@@ -54,17 +57,24 @@ class _SeqState:
     sampling: RowSampling | None = None  # a sampling request's, from its full update
 
 
-def check_request(req: SpecRequest, env: TreeEnvelope, vocab_size: int) -> None:
+def check_request(req: SpecRequest, env: TreeEnvelope, vocab_size: int,
+                  max_sequences: int = 1 << 30, max_len: int = 1 << 30) -> None:
     """Raise InvalidRequest if req is malformed (whatever the engine's state).
 
-    Malformed: a duplicate seq_id, committed_len < 1 (a tree needs a root), a
+    Malformed: more sequences than max_sequences, a committed_len over max_len, a duplicate seq_id, committed_len < 1 (a tree needs a root), a
     ``full`` update whose new_tokens are not committed_len long, a token outside
     [0, vocab_size) (any token >= 0 when vocab_size is 0), more accepted nodes
     than the envelope's depth or one outside [0, num_nodes).
     """
+    if len(req.seqs) > max_sequences:
+        raise InvalidRequest(f"step {req.step_id}: {len(req.seqs)} sequences, the draft takes "
+                             f"at most {max_sequences} in one request")
     seen: set[int] = set()
     for u in req.seqs:
         where = f"step {req.step_id}, seq {u.seq_id}"
+        if u.committed_len > max_len:
+            raise InvalidRequest(f"{where}: committed_len {u.committed_len} over the draft's "
+                                 f"--max-model-len {max_len}")
         if u.seq_id in seen:
             raise InvalidRequest(f"{where}: sequence appears twice in one request")
         seen.add(u.seq_id)
@@ -112,7 +122,8 @@ class DraftEngine:
         """Apply req's updates and propose one tree per sequence, in request order."""
         t0 = time.time_ns()
         tp0 = tp1 = 0
-        check_request(req, self.env, self.proposer.vocab_size)
+        check_request(req, self.env, self.proposer.vocab_size,
+                      max(MAX_REQUEST_SEQS, self.cfg.max_sequences), self.cfg.max_model_len)
         self.release(req.released)
         ids = [u.seq_id for u in req.seqs]
         try:

@@ -56,6 +56,8 @@ Extra = tuple[tuple[int, ...], torch.dtype]
 MIN_PAGES = 256
 # warm-up captures every batch bucket up to this one
 WARM_BATCH = 64
+# units one eager catch-up forward takes at most: a long prompt's memory stays bounded
+PREFILL_UNITS = 8192
 
 
 @dataclass
@@ -138,6 +140,23 @@ class DraftGraphs:
         greedy = _per_row([GREEDY], [False], self.cache.device)
         for per_row in ([], greedy):
             self._graph(bucket(max_batch), self.buckets.min_pages, per_row)
+
+
+def prefill_parts(rows: list[tuple[DraftSeq, int, int]], limit: int
+                  ) -> list[list[tuple[DraftSeq, int, int]]]:
+    """rows' spans (st, lo, hi) cut into forwards of at most limit units, in order: a
+    long span continues in the next part (a row is at most once in a part)."""
+    parts: list[list[tuple[DraftSeq, int, int]]] = [[]]
+    room = limit
+    for st, lo, hi in rows:
+        while lo < hi:
+            take = min(hi - lo, room)
+            parts[-1].append((st, lo, lo + take))
+            lo, room = lo + take, room - take
+            if room == 0:
+                parts.append([])
+                room = limit
+    return [p for p in parts if p]
 
 
 def _per_row(params: list[SamplingParams], rejection: list[bool], dev: torch.device
@@ -277,9 +296,9 @@ class KVDrafter:
             st.pages.kv_len = min(st.pages.kv_len, u - 1)       # the newest unit is redone
         behind = [(st, st.pages.kv_len, u - c) for st, u in zip(seqs, units)
                   if u - st.pages.kv_len > c]
-        if behind:
-            self._prefill(behind)
-            for st, _, hi in behind:
+        for part in prefill_parts(behind, PREFILL_UNITS):
+            self._prefill(part)
+            for st, _, hi in part:
                 st.pages.kv_len = hi
         inputs = [self._inputs(st, st.pages.kv_len, u) for st, u in zip(seqs, units)]
         out = self.graphs([t for t, _ in inputs], [x for _, x in inputs],

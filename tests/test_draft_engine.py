@@ -192,3 +192,12 @@ def test_model_engine_resyncs_and_frees_pages(draft_dir):
         eng.step(SpecRequest(step_id=3, seqs=[full(3, [96])]))
     eng.step(SpecRequest(step_id=4, seqs=[], released=[1, 2]))
     assert blocks.num_free == start and eng.num_sequences == 0
+
+
+def test_requests_past_the_draft_s_bounds_are_refused_unread():
+    eng, spy = spy_engine(max_model_len=8)
+    with pytest.raises(InvalidRequest, match="over the draft's --max-model-len 8"):
+        eng.step(SpecRequest(step_id=1, seqs=[full(1, list(range(1, 10)))]))
+    with pytest.raises(InvalidRequest, match="1025 sequences"):
+        eng.step(SpecRequest(step_id=2, seqs=[full(i, [1]) for i in range(1025)]))
+    assert spy.updates == [] and eng.num_sequences == 0

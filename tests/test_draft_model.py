@@ -231,3 +231,22 @@ def test_warmup_leaves_no_state_and_proposals_unchanged(draft_dir):
         p.update(1, prompt, len(prompt), [], None)
     (tw, pw), (tc, pc) = tp(warm.propose([1])), tp(cold.propose([1]))
     assert torch.equal(tw, tc) and torch.equal(pw, pc)
+
+
+def test_long_catch_ups_run_in_bounded_parts_and_draft_the_same(draft_dir, monkeypatch):
+    """A prompt's catch-up cut into forwards of 5 units drafts what one forward does."""
+    from draft_service import kv_drafter
+    long = [(7 * i) % 90 + 1 for i in range(40)]
+
+    def trees():
+        prop = make(draft_dir, envelope_from("tree-small"))
+        for s, p in enumerate([long, PROMPTS[0], long[:17]]):
+            prop.update(s, p, len(p), [], None)
+        t = prop.propose([0, 1, 2])
+        return t.tokens.tolist(), t.parents.tolist()
+    whole = trees()
+    monkeypatch.setattr(kv_drafter, "PREFILL_UNITS", 5)
+    assert trees() == whole
+    parts = kv_drafter.prefill_parts([("a", 0, 7), ("b", 3, 5), ("c", 0, 9)], 5)
+    assert parts == [[("a", 0, 5)], [("a", 5, 7), ("b", 3, 5), ("c", 0, 1)],
+                     [("c", 1, 6)], [("c", 6, 9)]]
