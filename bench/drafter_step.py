@@ -17,7 +17,6 @@ result for users. `--target-shape tiny --draft-shape tiny --device cpu` smoke-ru
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.drafters import checkpoints, pages  # noqa: E402
+from bench.drafters import checkpoints, pages, shape_args  # noqa: E402
 from bench.inproc_bench import replay_ms  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from common.tree import envelope_from  # noqa: E402
@@ -147,17 +146,10 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--work", default="/tmp/treespec-drafters")
-    ap.add_argument("--target-shape", default="qwen3-8b")
-    ap.add_argument("--draft-shape", default="qwen3-0.6b")
+    ap = shape_args(__doc__.splitlines()[0])
     ap.add_argument("--methods", default="model,eagle3")
     ap.add_argument("--envelopes", default="chain4,tree-small")
-    ap.add_argument("--batches", default="1,8,32,64")
-    ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run (no graphs)")
     a = ap.parse_args()
     a.max_tokens = a.steps * 4 + 16
     work = Path(a.work)

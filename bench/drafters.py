@@ -101,16 +101,22 @@ def checkpoints(a: argparse.Namespace, work: Path) -> None:
         shapes.random_eagle3_head(a.target_shape, work / "eagle3")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def shape_args(description: str) -> argparse.ArgumentParser:
+    """The flags this benchmark and bench/drafter_step.py share."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/tmp/treespec-drafters")
     ap.add_argument("--target-shape", default="qwen3-8b")
     ap.add_argument("--draft-shape", default="qwen3-0.6b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--ctx", type=int, default=1024)
-    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batches", default="1,8,32,64")
+    return ap
+
+
+def main() -> None:
+    ap = shape_args(__doc__.splitlines()[0])
+    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--configs", default=CONFIGS, help="proposer:envelope, comma-separated")
     ap.add_argument("--modes", default="random,shadow")
     ap.add_argument("--verify-args", default="", help="extra verify flags, space-separated")
