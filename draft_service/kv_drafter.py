@@ -48,11 +48,10 @@ log = logging.getLogger("treespec.draft")
 # an extra per-unit input of a step: (shape of one unit's row, dtype)
 Extra = tuple[tuple[int, ...], torch.dtype]
 
-# the smallest page bucket of a captured step: 4096 tokens of 16. Every sequence up to
-# that length replays the same graphs, so a batch's page bucket does not change while
-# it decodes (each new bucket costs seconds of kernel compiles and captures, far past
-# a verify service's deadline); attention over a wider table than the context needs
-# only splits that find nothing to read.
+# the smallest page bucket of a captured step (4096 tokens of 16): sequences up to that
+# length replay the same graphs, so a decoding batch never meets a new bucket (seconds
+# of compiles and captures, far past a verify's deadline); a wider table than the
+# context costs only attention splits that find nothing to read.
 MIN_PAGES = 256
 # warm-up captures every batch bucket up to this one
 WARM_BATCH = 64
@@ -135,8 +134,7 @@ class DraftGraphs:
 
     def capture_all(self, max_batch: int) -> None:
         """Capture both families at every batch bucket up to max_batch's, at the
-        smallest page bucket (every sequence up to MIN_PAGES pages long), so that a
-        batch growing under load never waits on a capture."""
+        smallest page bucket: a batch growing under load never waits on a capture."""
         greedy = _per_row([GREEDY], [False], self.cache.device)
         for per_row in ([], greedy):
             self._graph(bucket(max_batch), self.buckets.min_pages, per_row)
@@ -161,8 +159,7 @@ def prefill_parts(rows: list[tuple[DraftSeq, int, int]], limit: int
 
 def _per_row(params: list[SamplingParams], rejection: list[bool], dev: torch.device
              ) -> list[torch.Tensor]:
-    """A sampled step's per-row inputs: [temperature, top_k, top_p, min_p, seed] and
-    the rejection flag."""
+    """A sampled step's per-row inputs: the sampling parameters and rejection flag."""
     return as_tensors(params, dev) + [torch.tensor(rejection, device=dev)]
 
 
@@ -317,11 +314,10 @@ class KVDrafter:
         (the second one samples, when the group has several rows), a few more than a
         catch-up and several catch-ups' worth of new units (after a step the verify
         service decoded without the draft), one sequence at a time, a batch, and on a
-        GPU every batch bucket up to WARM_BATCH's (as long as half the pages allow).
-        Triton compiles and CUDA graph captures (seconds each on a GPU) then happen
-        before serving, not inside a step the verify service waits for under its
-        deadline. Sequences get ids no engine hands out (< 0) and are released: no
-        state or page is left behind. Returns the seconds taken."""
+        GPU every batch bucket up to WARM_BATCH's (as long as half the pages allow), so
+        that compiles and captures (seconds each on a GPU) happen before serving, not
+        in a step the verify service waits for. Sequences get ids no engine hands out
+        (< 0) and are released, leaving no state or page. Returns the seconds taken."""
         t0 = time.perf_counter()
         gpu = self.cache.device.type == "cuda"
         if gpu:

@@ -249,10 +249,8 @@ def _plan(total_q: int, num_seqs: int, group: int, kv_heads: int, max_ctx: int,
         # twice the live context, so plan for half of it (the spans are cut on the
         # device from the live length; attention_probe: 9 splits beat 17 by 1-2 µs a
         # layer for decode and 4-node trees at ctx 1024 in a 2048-slot bucket).
-        # The count is a compile-time constant: it takes only the values 1, 2, 3, 5, 9
-        # and 17 (rounded down), so shapes met while serving (eager prefills of any
-        # width and batch) find a kernel already compiled by the warm-up instead of
-        # stalling a step for a compile (a second or two each).
+        # A compile-time constant, so only 1, 2, 3, 5, 9, 17 (rounded down): shapes met
+        # while serving find a kernel the warm-up compiled, not a 1-2 s compile.
         per_sm = 2 if rows_per_chunk <= 16 else 1
         want = (per_sm * _num_sms(device)) // max(1, tiles * kv_heads)
         n = max(1, min(want, triton.cdiv(max_ctx, 2 * MIN_SPLIT_KEYS) + 1, 17))
