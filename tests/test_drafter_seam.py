@@ -55,6 +55,9 @@ class ContinuationDrafter:
     def release(self, seq_ids):
         self.released += seq_ids
 
+    async def idle(self):
+        pass
+
 
 async def _serve(target_dir, drafter) -> tuple[list[list[int]], VerifyEngine, list[int],
                                                list[int]]:

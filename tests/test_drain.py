@@ -51,3 +51,20 @@ def test_requests_beyond_max_waiting_are_resource_exhausted(target_dir):
                 return await asyncio.gather(*(one() for _ in range(6)))
     got = asyncio.run(go())
     assert sorted(map(str, got)) == sorted(["30"] * 3 + [str(grpc.StatusCode.RESOURCE_EXHAUSTED)] * 3), got
+
+
+def test_the_draft_forgets_a_finished_request_without_waiting_for_a_next_step(target_dir,
+                                                                              draft_dir):
+    async def go():
+        async with services(target_dir, "model", draft_model=draft_dir) as h:
+            async with AsyncTreespecClient(h["addr"]) as c:
+                await c.generate(prompt_ids=[1, 5, 9, 13, 2, 7], max_tokens=12)
+                held = h["draft_engine"].num_sequences
+                for _ in range(100):
+                    if h["draft_engine"].num_sequences == 0:
+                        break
+                    await asyncio.sleep(0.02)
+                return held, h["draft_engine"].num_sequences, \
+                    h["draft_engine"].proposer.cache.blocks.num_used
+    held, after, pages = asyncio.run(go())
+    assert after == 0 and pages <= 1, (held, after, pages)    # the scratch page only

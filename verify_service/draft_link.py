@@ -90,6 +90,18 @@ class DraftLink:
     def release(self, seq_ids: list[int]) -> None:
         self.sync.release(seq_ids)
 
+    async def idle(self) -> None:
+        """Send what ended as a request of no sequences (its answer only frees the link)."""
+        if not (self.ready and self.sync.has_released and self._outstanding is None):
+            return
+        out = self.sync.request([], False, {})
+        self._outstanding = out.request.step_id
+        try:
+            await self._call.write(wire.spec_request_to_pb(out.request))
+        except Exception as e:  # noqa: BLE001 - the connect loop sees the broken link
+            log.debug("release notice not sent: %s", e)
+        self.sync.sent([], out)
+
     async def _drop(self) -> None:
         call, channel = self._call, self._channel
         self._call = self._channel = None

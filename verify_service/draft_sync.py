@@ -120,6 +120,10 @@ class DraftSync:
         for i in seq_ids:
             self._cursors.pop(i, None)
 
+    @property
+    def has_released(self) -> bool:
+        return bool(self._released)
+
     def release(self, seq_ids: list[int]) -> None:
         """These ended; the draft hears it with the next request."""
         for i in seq_ids:

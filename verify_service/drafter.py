@@ -56,3 +56,7 @@ class Drafter(Protocol):
 
     def release(self, seq_ids: list[int]) -> None:
         """These sequences ended; the draft may forget them."""
+
+    async def idle(self) -> None:
+        """The engine has nothing to run: tell the draft now what ended (it would
+        otherwise hear it with the next step, and hold their state until then)."""

@@ -135,6 +135,8 @@ class VerifyEngine:
             self._reap()
             if not self.waiting and not self.running:
                 self._wake.clear()
+                if self.link is not None:
+                    await self.link.idle()
                 await self._wake.wait()
                 continue
             try:
