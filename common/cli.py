@@ -163,4 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m common.cli`: run the importable module's main, so that the subcommand
+    # modules' ConfigError (imported from common.cli) is the one caught here
+    from common.cli import main as _main
+    sys.exit(_main())

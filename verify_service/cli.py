@@ -47,7 +47,7 @@ def config(args: argparse.Namespace):
     from verify_service.config import VerifyConfig
     check_model(args.model)
     try:
-        return VerifyConfig(model=args.model, draft=args.draft, **given(
+        cfg = VerifyConfig(model=args.model, draft=args.draft, **given(
             args, RUNTIME + ("max_batch", "max_model_len", "prefill_tokens",
                              "step_deadline_ms", "reconnect_s", "draft_socket", "busy_poll",
                              "generation_config", "acceptance", "draft_tls_ca",
@@ -55,6 +55,19 @@ def config(args: argparse.Namespace):
                              "max_prompt_bytes", "max_waiting")))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    limit = checkpoint_positions(cfg.model)
+    if limit and cfg.max_model_len > limit:
+        raise ConfigError(f"--max-model-len {cfg.max_model_len} is past the checkpoint's "
+                          f"{limit} positions (max_position_embeddings)")
+    return cfg
+
+
+def checkpoint_positions(model: str) -> int:
+    """The checkpoint's max_position_embeddings (0 when it does not say)."""
+    import json
+    from common.model_paths import resolve_model
+    cfg = json.loads((resolve_model(model) / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings") or 0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -55,6 +55,8 @@ class VerifyConfig(ServiceConfig):
             raise ValueError(f"--draft wants HOST:PORT, got {self.draft!r}")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if self.max_model_len < 0:
+            raise ValueError("--max-model-len must be >= 0 (0: the checkpoint's positions)")
         if self.max_prompt_bytes < 1 or self.max_waiting < 1:
             raise ValueError("--max-prompt-bytes and --max-waiting must be >= 1")
         if self.draft_socket not in ("auto", "off"):
