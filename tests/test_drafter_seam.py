@@ -12,7 +12,7 @@ import torch
 
 from common.qwen3 import Qwen3Model
 from common.spec_types import DrafterInfo
-from common.tree import PRESETS, TreeBatch
+from common.tree import PAD, PRESETS, TreeBatch
 from inproc import greedy_reference
 from verify_service.drafter import Drafted
 from verify_service.engine import VerifyEngine
@@ -48,6 +48,8 @@ class ContinuationDrafter:
             parents[:, 0] = 3                       # a parent after its child
         elif self.break_with == "vocab":
             tokens[:, 0] = 96
+        elif self.break_with == "empty":
+            tokens[:], parents[:] = 0, PAD
         elif self.break_with == "rows":
             tokens, parents = tokens[:-1], parents[:-1]
         return Drafted(TreeBatch(tokens, parents), step_id=self.steps)
@@ -103,3 +105,12 @@ def test_a_broken_tree_costs_speculation_never_a_token(target_dir, break_with):
     assert outs == [refs[tuple(p)] for p in PROMPTS]
     assert steps == [MAX_TOKENS - 1] * 3                 # every step ran as plain decode
     assert set(engine.fallbacks) == {"invalid_proposal"} and engine.kv_pages_used == 0
+
+
+def test_a_step_of_empty_trees_runs_the_plain_decode_graph(target_dir):
+    """Nothing to verify, nothing paid: trees of padding only run the plain step."""
+    refs = {tuple(p): greedy_reference(target_dir, p, MAX_TOKENS) for p in PROMPTS}
+    outs, engine, _, steps = asyncio.run(_serve(target_dir, ContinuationDrafter(refs, "empty")))
+    assert outs == [refs[tuple(p)] for p in PROMPTS]
+    assert steps == [MAX_TOKENS - 1] * 3 and set(engine.fallbacks) == {"empty_tree"}
+    assert {k[0][0] for k in engine.verifier.buckets.graphs} == {0}    # tree size 0 only

@@ -249,10 +249,11 @@ class VerifyEngine:
         drafted, rows = await self._draft(seqs)
         t1 = time.time_ns()
         trees, depth = None, 0
-        if drafted.trees is not None:
+        if drafted.trees is not None and any(drafted.trees.num_valid()):
             env = self.link.info.envelope
             trees, depth = drafted.trees.scatter(rows, len(seqs)), env.depth
             self.verifier.siblings = env.topk
+        # (trees of padding only: the plain decode graph, not the envelope's)
         res = await self.runner.step([s.pages for s in seqs], [s.tokens[-1] for s in seqs],
                                      trees, depth, [s.sampling for s in seqs])
         t2 = time.time_ns()
