@@ -47,9 +47,10 @@ def test_soak_with_a_draft_that_keeps_dying(target_dir):
                 done = asyncio.Event()
 
                 async def chaos():
-                    kills = 0
+                    kills, wait = 0, 0.3            # the first kill early: streams are short
                     while not done.is_set():
-                        await asyncio.sleep(1.0)
+                        await asyncio.sleep(wait)
+                        wait = 1.0
                         holder["draft"].proc.kill()
                         holder["draft"].stop(1)
                         kills += 1
