@@ -117,12 +117,14 @@ def pvalues(target_dir, draft, method: str, acceptance: str, envelope: str,
 
 
 # Rejection sampling on trees (siblings drawn without replacement) with both model
-# drafters; coupled acceptance on one setting: its tokens are plain decode's under the
-# same seeds with every drafter (tests/test_coupled_drafting.py), so one drafter shows
-# them exact for all.
+# drafters; coupled acceptance with both too, one setting each: its tokens are plain
+# decode's under the same seeds with every drafter (tests/test_coupled_drafting.py).
+# The n-gram proposer's nodes carry no q (one-hot): they are accepted as in coupled
+# acceptance, which is exact for any proposal made without the target's noise.
 CASES = [("model", "rejection", "tree-small", SETTINGS),
          ("eagle3", "rejection", "tree-small", SETTINGS[:1]),
-         ("model", "coupled", "chain4", SETTINGS[2:])]
+         ("model", "coupled", "chain4", SETTINGS[2:]),
+         ("eagle3", "coupled", "tree-small", SETTINGS[1:2])]
 
 
 @pytest.mark.parametrize("method,acceptance,envelope,settings", CASES,
