@@ -4,9 +4,9 @@ sampling (q of 32 ids per node), chain4 trees, batch 1 and 32, 1024-token contex
 
     python bench/sampled_step.py --out DIR/sampled_step.json [--shape qwen3-8b]
 
-`--shape tiny --device cpu` smoke-runs it. Sampling is T 0.6, top-k 20, top-p 0.95 (Qwen3's generation_config.json). Random
+Sampling is T 0.6, top-k 20, top-p 0.95 (Qwen3's generation_config.json). Random
 weights, in process (no services); the issue's goal is a sampled step <= 1.1 x a
-greedy one.
+greedy one. `--shape tiny --device cpu` smoke-runs it.
 """
 
 from __future__ import annotations

@@ -61,10 +61,11 @@ def check_request(req: SpecRequest, env: TreeEnvelope, vocab_size: int,
                   max_sequences: int = 1 << 30, max_len: int = 1 << 30) -> None:
     """Raise InvalidRequest if req is malformed (whatever the engine's state).
 
-    Malformed: more sequences than max_sequences, a committed_len over max_len, a duplicate seq_id, committed_len < 1 (a tree needs a root), a
-    ``full`` update whose new_tokens are not committed_len long, a token outside
-    [0, vocab_size) (any token >= 0 when vocab_size is 0), more accepted nodes
-    than the envelope's depth or one outside [0, num_nodes).
+    Malformed: more sequences than max_sequences, a committed_len over max_len, a
+    duplicate seq_id, committed_len < 1 (a tree needs a root), a ``full`` update whose
+    new_tokens are not committed_len long, a token outside [0, vocab_size) (any token
+    >= 0 when vocab_size is 0), more accepted nodes than the envelope's depth or one
+    outside [0, num_nodes).
     """
     if len(req.seqs) > max_sequences:
         raise InvalidRequest(f"step {req.step_id}: {len(req.seqs)} sequences, the draft takes "

@@ -24,8 +24,8 @@ import grpc
 from common import codec, frames, wire
 from common.aio import cancel_and_wait, spin_until
 from common.grpc_server import MESSAGE_LIMITS
-from common.spec_types import DrafterInfo
 from common.auth import metadata
+from common.spec_types import DrafterInfo
 from common.tls import ClientTLS, channel
 from common.tree import TreeBatch
 from protos.treespec.v1 import treespec_pb2 as pb
