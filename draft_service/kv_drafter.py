@@ -326,7 +326,8 @@ class KVDrafter:
         if gpu:
             room = self.cache.blocks.num_blocks * self.cache.block_size // 2
             groups += [[min(lengths[-1], room // b - self._scratch)] * b
-                       for b in BATCH_BUCKETS if 1 < b <= WARM_BATCH]
+                       for b in BATCH_BUCKETS
+                       if 1 < b <= WARM_BATCH and room // b - self._scratch >= 2]
         c = self.graphs.catch_up_len
         for g, sizes in enumerate(groups):
             ids = [-1000 * (g + 1) - i for i in range(len(sizes))]
