@@ -133,8 +133,7 @@ class DraftGraphs:
         return gb.get("step-sampled" if per_row else "step", b, p, example, fn)
 
     def capture_all(self, max_batch: int) -> None:
-        """Capture both families at every batch bucket up to max_batch's, at the
-        smallest page bucket: a batch growing under load never waits on a capture."""
+        """Both families at every batch bucket to max_batch's, smallest page bucket."""
         greedy = _per_row([GREEDY], [False], self.cache.device)
         for per_row in ([], greedy):
             self._graph(bucket(max_batch), self.buckets.min_pages, per_row)
