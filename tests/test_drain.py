@@ -68,3 +68,23 @@ def test_the_draft_forgets_a_finished_request_without_waiting_for_a_next_step(ta
                     h["draft_engine"].proposer.cache.blocks.num_used
     held, after, pages = asyncio.run(go())
     assert after == 0 and pages <= 1, (held, after, pages)    # the scratch page only
+
+
+def test_a_client_deadline_ends_the_request_and_returns_its_pages(target_dir):
+    async def go():
+        async with services(target_dir) as h:
+            engine = h["engine"]
+            async with AsyncTreespecClient(h["addr"]) as c:
+                t0 = asyncio.get_running_loop().time()
+                with pytest.raises(TreespecError) as err:
+                    await c.generate(prompt_ids=[1, 2, 3], max_tokens=100_000, ignore_eos=True,
+                                     timeout=0.5)
+                took = asyncio.get_running_loop().time() - t0
+                for _ in range(100):
+                    if engine.kv_pages_used == 0 and not engine.running:
+                        break
+                    await asyncio.sleep(0.02)
+                return err.value, took, engine.kv_pages_used, len(engine.running)
+    err, took, pages, running = asyncio.run(go())
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and took < 2.0
+    assert pages == 0 and running == 0
