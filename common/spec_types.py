@@ -53,3 +53,4 @@ class DrafterInfo:
     proposer: str
     target_hidden_layers: tuple[int, ...] = ()
     model: str = ""
+    max_model_len: int = 0          # committed tokens a sequence may have (0: no limit)

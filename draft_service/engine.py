@@ -107,7 +107,8 @@ class DraftEngine:
     def info(self) -> DrafterInfo:
         p = self.proposer
         return DrafterInfo(envelope=self.env, vocab_size=p.vocab_size, proposer=p.name,
-                           target_hidden_layers=tuple(p.target_hidden_layers), model=p.model)
+                           target_hidden_layers=tuple(p.target_hidden_layers), model=p.model,
+                           max_model_len=self.cfg.max_model_len)
 
     @property
     def num_sequences(self) -> int:

@@ -76,3 +76,21 @@ def test_a_refused_flag_is_one_line_and_exit_code_2(flags, says):
                             *flags)
     assert proc.returncode == 2 and says in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_sequence_past_the_draft_s_length_decodes_plainly(target_dir):
+    """The draft says at handshake how long a sequence it takes: the verify service
+    stops asking for that sequence's trees there, and the output stays plain decode's."""
+    prompt = [5, 17, 23, 42, 8, 17, 23, 42, 8, 17, 23]
+
+    async def go():
+        async with services(target_dir, "ngram", draft_kw={"max_model_len": 24}) as h:
+            assert h["engine"].link.info.max_model_len == 24
+            async with AsyncTreespecClient(h["addr"]) as c:
+                spec = await c.generate(prompt_ids=prompt, max_tokens=30, ignore_eos=True)
+                plain = await c.generate(prompt_ids=prompt, max_tokens=30, ignore_eos=True,
+                                         no_speculation=True)
+            return spec, plain, dict(h["engine"].fallbacks)
+    spec, plain, fallbacks = asyncio.run(go())
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats["draft_tokens"] > 0 and fallbacks.get("draft_max_model_len", 0) > 0

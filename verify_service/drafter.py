@@ -20,8 +20,9 @@ if TYPE_CHECKING:
     from verify_service.sequence import Sequence
 
 # why a speculating step ran as plain decode; per sequence also "empty_tree" (a tree came,
-# all padding), "syncing" (the draft was still being sent its hidden states) and
-# "no_hidden_states" (admitted before a drafter that reads them connected)
+# all padding), "syncing" (the draft was still being sent its hidden states),
+# "no_hidden_states" (admitted before a drafter that reads them connected) and
+# "draft_max_model_len" (longer than the draft takes, by its handshake)
 Fallback = Literal["no_draft", "disconnected", "busy", "deadline", "invalid_proposal"]
 
 

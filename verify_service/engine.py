@@ -223,8 +223,12 @@ class VerifyEngine:
         why there are none. A drafter that reads hidden states serves only sequences
         whose history was captured (those admitted before it connected decode plainly)."""
         needs = bool(self.verifier.capture_layers)
+        info = self.link.info if self.link is not None else None
+        room = info.max_model_len - info.envelope.depth - 1 if info and info.max_model_len \
+            else None                  # the draft refuses longer sequences
         rows = [i for i, s in enumerate(seqs)
-                if s.speculative and (s.hidden is not None or not needs)]
+                if s.speculative and (s.hidden is not None or not needs)
+                and (room is None or len(s.tokens) <= room)]
         if not rows:
             return Drafted(None), rows
         if self.link is None or not self.link.ready:
@@ -259,13 +263,21 @@ class VerifyEngine:
         t2 = time.time_ns()
         asked = {seqs[i].seq_id for i in rows}
         syncing = {seqs[rows[j]].seq_id for j in drafted.syncing}
-        why = {s.seq_id: "no_hidden_states" if s.seq_id not in asked else "syncing"
+        why = {s.seq_id: self._unasked(s) if s.seq_id not in asked else "syncing"
                if s.seq_id in syncing else drafted.fallback or "empty_tree"
                for s in seqs if s.speculative}
         done = self._commit(seqs, trees, res, why)
         if isinstance(self.observer, NullObserver):
             return                       # telemetry off: not even a record is built
         self._observe_step(drafted, len(seqs), done, why, trees is not None, t0, t1, t2)
+
+    def _unasked(self, s: Sequence) -> str:
+        """Why a speculating sequence was not asked for a tree."""
+        info = self.link.info if self.link is not None else None
+        if info is not None and info.max_model_len and \
+                len(s.tokens) > info.max_model_len - info.envelope.depth - 1:
+            return "draft_max_model_len"
+        return "no_hidden_states"
 
     def _commit(self, seqs: list[Sequence], trees: TreeBatch | None, res: StepResult,
                 why: dict[int, str]) -> list[tuple[Sequence, int, int, int, int]]:

@@ -133,7 +133,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("envelope", "vocab_size", "proposer", "target_hidden_layers", "model", "local_socket", "instance_id")
+    __slots__ = ("envelope", "vocab_size", "proposer", "target_hidden_layers", "model", "local_socket", "instance_id", "max_model_len")
     ENVELOPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class DrafterInfo(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     envelope: TreeEnvelope
     vocab_size: int
     proposer: str
@@ -148,7 +149,8 @@ class DrafterInfo(_message.Message):
     model: str
     local_socket: str
     instance_id: str
-    def __init__(self, envelope: _Optional[_Union[TreeEnvelope, _Mapping]] = ..., vocab_size: _Optional[int] = ..., proposer: _Optional[str] = ..., target_hidden_layers: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., local_socket: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, envelope: _Optional[_Union[TreeEnvelope, _Mapping]] = ..., vocab_size: _Optional[int] = ..., proposer: _Optional[str] = ..., target_hidden_layers: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., local_socket: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
     __slots__ = ("seq_id", "committed_len", "new_tokens", "full", "accepted_nodes", "accepted_step_id", "hidden_states", "sampling", "rejection_sampling")
