@@ -1,0 +1,41 @@
+"""What keeps a draft's step off compiles and captures while it serves (the cause of
+issue 15's fallbacks on the H200: a first step at a new batch or page bucket took
+1.9-6.9 s, past the verify's deadline). On the CPU the same bookkeeping runs eagerly."""
+
+from __future__ import annotations
+
+from common.graph_buckets import BATCH_BUCKETS, BucketedGraphs
+from common.kv_cache import SeqPages
+from common.tree import envelope_from
+from draft_service.config import DraftConfig
+from draft_service.model_proposer import ModelProposer
+from kernels.triton_tree_attention import _plan
+
+
+def test_a_decoding_batch_keeps_one_page_bucket(draft_dir):
+    prop = ModelProposer.from_config(DraftConfig(
+        method="model", model=str(draft_dir), envelope=envelope_from("chain4"), device="cpu",
+        kernels="reference", num_blocks=64, block_size=4))
+    gb = BucketedGraphs(prop.cache, capture=True, min_pages=256)
+    widths = [1, 17, 100, 256]                          # 16 .. 4096 tokens of 16
+    assert {gb.shape([SeqPages(pages=[0] * w)])[1] for w in widths} == {256}
+    assert gb.shape([SeqPages(pages=[0] * 257)])[1] == 512
+
+
+def test_capture_all_covers_every_batch_bucket_in_both_families(draft_dir):
+    prop = ModelProposer.from_config(DraftConfig(
+        method="model", model=str(draft_dir), envelope=envelope_from("chain4"), device="cpu",
+        kernels="reference", num_blocks=64, block_size=4))
+    prop.graphs.capture_all(16)
+    want = [b for b in BATCH_BUCKETS if b <= 16]
+    for family in ("step", "step-sampled"):
+        assert prop.graphs.buckets.batches(family) == want
+
+
+def test_attention_split_counts_take_six_values():
+    """The split count is a compile-time constant: few values, few compiles."""
+    import torch
+    seen = {_plan(q, s, 2, 8, ctx, torch.device("cpu"), None, None, None)[2]
+            for q in (1, 4, 16, 64, 320, 4096) for s in (1, 2, 8, 32, 64)
+            for ctx in (16, 300, 1100, 2100, 4096, 40000) if q >= s}
+    assert seen <= {1, 2, 3, 5, 9, 17}
