@@ -56,7 +56,7 @@ MIN_PAGES = 256
 # warm-up captures every batch bucket up to this one
 WARM_BATCH = 64
 # units one eager catch-up forward takes at most: a long prompt's memory stays bounded
-PREFILL_UNITS = 8192
+PREFILL_UNITS = 4096
 
 
 @dataclass
