@@ -36,7 +36,7 @@ run)
     for step in ${STEPS:-tests bench profile}; do
         echo "== $step ($(date +%T))" >>"$log"
         case "$step" in
-        tests) TRITON_INTERPRET=0 timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider \
+        tests) TRITON_INTERPRET=0 timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider \
                    tests/test_cuda_graph.py tests/test_eagle3_gpu.py \
                    tests/test_draft_model_gpu.py tests/test_triton_kernels.py \
                    tests/test_triton_gemv.py tests/test_triton_ancestors.py >>"$log" 2>&1 ;;
