@@ -14,7 +14,8 @@ from common.tls import ClientTLS
 
 def client(args: argparse.Namespace) -> TreespecClient:
     try:
-        tls = ClientTLS(args.tls_ca, args.tls_cert, args.tls_key)
+        # an empty path is no path (compose's health checks pass --tls-ca= when TLS is off)
+        tls = ClientTLS(args.tls_ca or None, args.tls_cert or None, args.tls_key or None)
         key = read_keys(args.api_key_file)[0] if args.api_key_file else None
     except ValueError as e:
         raise ConfigError(str(e)) from None
