@@ -127,6 +127,8 @@ class DraftEngine:
         check_request(req, self.env, self.proposer.vocab_size,
                       max(MAX_REQUEST_SEQS, self.cfg.max_sequences), self.cfg.max_model_len)
         self.release(req.released)
+        if not req.seqs:                # only news of ended sequences: not a step
+            return SpecResponse(req.step_id, [], TreeBatch.padding(0, self.env.num_nodes), [])
         ids = [u.seq_id for u in req.seqs]
         try:
             live = [r for r, u in enumerate(req.seqs) if self._apply(u)]
