@@ -69,13 +69,16 @@ def test_verify_defaults_and_every_flag(served, target_dir):
                        "--port", "5000", "--host", "::", "--device", "cuda:0", "--dtype",
                        "float16", "--kernels", "triton", "--max-batch", "8", "--num-blocks",
                        "128", "--block-size", "32", "--step-deadline-ms", "25.5",
-                       "--max-model-len", "1024", "--prefill-tokens", "512", "--reconnect-s", "2",
-                       "--busy-poll", "off", "--draft-socket", "off")
+                       "--max-model-len", "500", "--prefill-tokens", "512", "--reconnect-s", "2",
+                       "--busy-poll", "off", "--draft-socket", "off", "--max-prompt-bytes",
+                       "1000", "--max-waiting", "7", "--reflection", "off", "--acceptance",
+                       "rejection")
     assert cfg == VerifyConfig(model=str(target_dir), draft="10.0.0.2:5001", host="::", port=5000,
                                device="cuda:0", dtype="float16", kernels="triton", max_batch=8,
                                num_blocks=128, block_size=32, step_deadline_ms=25.5,
-                               max_model_len=1024, prefill_tokens=512, reconnect_s=2.0,
-                               busy_poll="off", draft_socket="off")
+                               max_model_len=500, prefill_tokens=512, reconnect_s=2.0,
+                               busy_poll="off", draft_socket="off", max_prompt_bytes=1000,
+                               max_waiting=7, reflection="off", acceptance="rejection")
     assert not cfg.busy("cuda") and VerifyConfig(model="m").busy("cuda")
     assert not VerifyConfig(model="m").busy("cpu") and VerifyConfig(model="m",
                                                                     busy_poll="on").busy("cpu")

@@ -37,8 +37,9 @@ def test_a_stopped_server_ends_running_streams_unavailable(target_dir):
 
 
 def test_requests_beyond_max_waiting_are_resource_exhausted(target_dir):
-    """max_batch 1 and max_waiting 2: of 6 concurrent requests, one runs, two wait and
-    three are refused at once with RESOURCE_EXHAUSTED; the admitted ones finish."""
+    """max_batch 1 and max_waiting 2: of 6 concurrent requests at most one runs and two
+    wait (two, if none was admitted yet when the rest came); the others are refused at
+    once with RESOURCE_EXHAUSTED, and the admitted ones finish."""
     async def go():
         async with services(target_dir, max_batch=1, max_waiting=2) as h:
             async with AsyncTreespecClient(h["addr"]) as c:
@@ -50,7 +51,9 @@ def test_requests_beyond_max_waiting_are_resource_exhausted(target_dir):
                         return e.code
                 return await asyncio.gather(*(one() for _ in range(6)))
     got = asyncio.run(go())
-    assert sorted(map(str, got)) == sorted(["30"] * 3 + [str(grpc.StatusCode.RESOURCE_EXHAUSTED)] * 3), got
+    ok = [g for g in got if g == 30]
+    assert 2 <= len(ok) <= 3, got
+    assert all(g == grpc.StatusCode.RESOURCE_EXHAUSTED for g in got if g != 30), got
 
 
 def test_the_draft_forgets_a_finished_request_without_waiting_for_a_next_step(target_dir,
