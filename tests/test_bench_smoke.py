@@ -17,7 +17,7 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     out = tmp_path / "h200.json"
     subprocess.run([sys.executable, str(ROOT / "bench" / "h200.py"), "--out", str(out),
                     "--target-shape", "tiny", "--draft-shape", "tiny", "--device", "cpu",
-                    "--ctx", "32", "--max-tokens", "16", "--batches", "1,2", "--nodes", "0,4",
+                    "--ctx", "32", "--max-tokens", "16", "--batches", "1", "--nodes", "0,4",
                     "--ab-busy-poll", "--ab-grpc",
                     "--work", str(tmp_path / "work")],
                    check=True, timeout=300, cwd=ROOT, capture_output=True)
@@ -26,9 +26,9 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     for key in ("plain_tok_s", "hf_tok_s", "floor_tok_s", "verify_ms", "oracle4_tok_s",
                 "hop_share", "batch_tok_s"):
         assert key in r, key
-    assert set(r["verify_ms"]["1"]) == {"0", "4"} and set(r["batch_tok_s"]) == {"1", "2"}
+    assert set(r["verify_ms"]["1"]) == {"0", "4"} and set(r["batch_tok_s"]) == {"1"}
     e2e = r["e2e"]
-    for b in (1, 2):
+    for b in (1,):           # (batches > 1 run the same code; bench/drafters.py's smoke has 2)
         assert e2e[f"reject_b{b}"]["tokens_per_step"] == 1.0       # every draft was wrong
         assert e2e[f"replay_b{b}"]["lossless"] and e2e[f"reject_b{b}"]["lossless"]
         # 3 correct tokens of 4 drafted: every step commits 4 but the last (16 = 1 + 4+4+4+3)
@@ -47,7 +47,7 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     for key in ("plain_b1", "replay_b1", "replay_b1_grpc"):
         runs = e2e[key]["tok_s_runs"]
         assert len(runs) == 3 and e2e[key]["tok_s"] == sorted(runs)[1], key
-    assert e2e["replay_b1"]["runs_agree"] and "tok_s_runs" not in e2e["replay_b2"]
+    assert e2e["replay_b1"]["runs_agree"]
     assert e2e["replay_b1"]["carrier"] == "unix socket"
     assert e2e["replay_b1_grpc"]["carrier"] == "grpc"
     assert r["oracle4_decode_ratio"] > 0 and e2e["replay_b1"]["decode_tok_s"] > 0
