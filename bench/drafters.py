@@ -32,11 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import shapes  # noqa: E402
 from bench.e2e_bench import first_divergence, start, throughput  # noqa: E402
-from bench.step_metrics import fallback_counts, metrics_url  # noqa: E402
+from bench.step_metrics import fallback_counts, metrics_url, totals  # noqa: E402
 from common.client import AsyncTreespecClient  # noqa: E402
 from common.launch import cli_command  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
+# EAGLE-3's hidden states crossing the hop, and the hops that carried them
+HIDDEN = ("treespec:draft_hidden_state_bytes_total", "treespec:draft_hop_seconds_count")
 CONFIGS = ("ngram:chain4,ngram:tree-small,model:chain4,model:tree-small,"
            "eagle3:chain4,eagle3:tree-small")
 
@@ -188,10 +190,13 @@ def run_config(method: str, envelope: str, mode: str, port: int, work: Path,
     try:
         asyncio.run(_connected(v.addr, proposer))
         for b, prompts in sets.items():
-            before = fallback_counts(url)
+            before, bytes0 = fallback_counts(url), totals(url, HIDDEN)
             r = throughput(v.addr, prompts, a.max_tokens, no_spec=False, metrics=url,
                            reps=3 if b == 1 else 1)
             rows[str(b)] = row(r, r.pop("ids"), plain[str(b)], before, fallback_counts(url))
+            if url is not None:             # bytes of hidden states per drafted step
+                got = {k: v - bytes0[k] for k, v in totals(url, HIDDEN).items()}
+                rows[str(b)]["hidden_bytes_per_step"] = got[HIDDEN[0]] / max(1.0, got[HIDDEN[1]])
             x = rows[str(b)]
             print(f"{method}:{envelope}:{mode} b={b}: {x['tok_s']:.1f} tok/s "
                   f"({x['over_plain']:.2f} x), step {x.get('step_ms', 0):.2f} ms, draft "

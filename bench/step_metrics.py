@@ -79,3 +79,18 @@ def fallback_counts(url: str | None) -> dict[str, float]:
     return {smp.labels["reason"]: smp.value for fam in text_string_to_metric_families(text)
             for smp in fam.samples
             if smp.name == "treespec:spec_decode_fallback_steps_total"}
+
+
+def totals(url: str | None, names: tuple[str, ...]) -> dict[str, float]:
+    """Each named sample's value summed over its labels (counters: name + "_total")."""
+    if url is None:
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out = dict.fromkeys(names, 0.0)
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name in out:
+                out[smp.name] += smp.value
+    return out

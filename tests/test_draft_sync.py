@@ -55,6 +55,8 @@ def test_hidden_states_cross_under_the_budget_and_add_up_to_a_full_update():
     for step in range(4):
         out = sync.request(seqs, hidden=True, trace={})
         assert sum(u.hidden.shape[0] for u in out.request.seqs) <= 10
+        assert out.hidden_bytes == sum(u.hidden.numel() * u.hidden.element_size()
+                                       for u in out.request.seqs)
         for u in out.request.seqs:
             assert u.committed_len - len(u.new_tokens) == sum(x.shape[0] for x in got[u.seq_id])
             got[u.seq_id].append(u.hidden.clone())

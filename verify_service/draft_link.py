@@ -218,17 +218,20 @@ class DraftLink:
                     log.info("draft step %d missed the %.0f ms deadline (%d so far): "
                              "plain decode until it answers; --step-deadline-ms sets it",
                              step, 1000 * self.deadline_s, self._late)
-            return Drafted(None, "deadline" if msg is _EXPIRED else "disconnected", step)
+            return Drafted(None, "deadline" if msg is _EXPIRED else "disconnected", step,
+                           hidden_bytes=out.hidden_bytes)
         self._outstanding = None
         stamps = (t_sent, self._t_answer, msg.received_unix_ns, msg.sent_unix_ns)
         try:
             resp = wire.response_from_pb(msg)
         except codec.CodecError as e:
             log.warning("draft sent an undecodable proposal: %s", e)
-            return Drafted(None, "invalid_proposal", step, stamps)
+            return Drafted(None, "invalid_proposal", step, stamps,
+                           hidden_bytes=out.hidden_bytes)
         if resp.seq_ids != [seqs[i].seq_id for i in out.rows]:
             log.warning("dropping a proposal whose rows are not the request's sequences")
-            return Drafted(None, "invalid_proposal", step, stamps)
+            return Drafted(None, "invalid_proposal", step, stamps,
+                           hidden_bytes=out.hidden_bytes)
         self.sync.resync(resp.resync)
         trees, syncing = resp.trees, set(out.syncing)
         if not self.sync.rejection:         # coupled acceptance never reads q
@@ -239,4 +242,4 @@ class DraftLink:
                               *(None if x is None else x[keep]
                                 for x in (trees.q_ids, trees.q_probs)))
         return Drafted(trees.scatter([out.rows[j] for j in keep], len(seqs)), None, step,
-                       stamps, out.syncing)
+                       stamps, out.syncing, out.hidden_bytes)

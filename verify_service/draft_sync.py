@@ -56,6 +56,7 @@ class Outgoing:
     syncing: list[int]              # those whose hidden states are not all sent yet:
                                     # the draft's tree for them is for a prefix, unused
     ends: list[int]                 # per row: committed tokens the draft holds after it
+    hidden_bytes: int = 0           # target hidden states it carries
 
 
 class DraftSync:
@@ -107,6 +108,7 @@ class DraftSync:
         if parts:
             for u, r in zip(out.request.seqs, to_host(parts, self._staging)):
                 u.hidden = r
+            out.hidden_bytes = self.max_hidden_bytes - budget
         return out
 
     def sent(self, seqs: list[Sequence], out: Outgoing) -> None:

@@ -38,6 +38,7 @@ class Drafted:
     stamps: tuple[int, int, int, int] | None = None
     # sequences (indices) still being synced with the draft: their rows are padding
     syncing: list[int] = field(default_factory=list)
+    hidden_bytes: int = 0                   # target hidden states the request carried
 
 
 class Drafter(Protocol):

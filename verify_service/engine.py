@@ -241,7 +241,8 @@ class VerifyEngine:
                 t.q_ids, t.q_probs)
             if why is not None:
                 log.warning("dropping an invalid proposal: %s", why)
-                return Drafted(None, "invalid_proposal", got.step_id, got.stamps), rows
+                return Drafted(None, "invalid_proposal", got.step_id, got.stamps,
+                               hidden_bytes=got.hidden_bytes), rows
         return got, rows
 
     async def _step(self) -> None:
@@ -325,7 +326,8 @@ class VerifyEngine:
                       for s, d, *_ in done],
             reason=drafted.fallback, envelope=self.link.info.envelope if speculated else None,
             t_start=t0, t_drafted=t1, t_verified=t2, t_end=time.time_ns(),
-            hop_parts=hop_parts(t0, t1, drafted.stamps) if drafted.step_id else {}))
+            hop_parts=hop_parts(t0, t1, drafted.stamps) if drafted.step_id else {},
+            hidden_bytes=drafted.hidden_bytes))
         for s in seqs:
             if s.finish is not None:
                 self.observer.finished(s)

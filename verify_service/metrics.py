@@ -91,6 +91,8 @@ class VerifyMetrics(EngineObserver):
                               "Target forward, accept walk and KV commit per step.")
         self.step = seconds("treespec:step_seconds", "Whole decode step.")
         self.prefill = seconds("treespec:prefill_seconds", "Prefill forward per admission.")
+        self.hidden_bytes = counter("treespec:draft_hidden_state_bytes",
+                                    "Target hidden states sent to the draft (EAGLE-3), bytes.")
         self._gauges = {name: Gauge(name, doc, lab, registry=r).labels(m) for name, doc in (
             ("vllm:num_requests_running", "Sequences in the running batch."),
             ("vllm:num_requests_waiting", "Requests waiting for admission."),
@@ -126,6 +128,7 @@ class VerifyMetrics(EngineObserver):
     def step_finished(self, r: StepRecord) -> None:
         if r.step_id:
             self.hop.observe((r.t_drafted - r.t_start) * _NS)
+            self.hidden_bytes.inc(r.hidden_bytes)
             for part, ns in r.hop_parts.items():
                 self._hop_part.labels(self.model_name, part).observe(ns * _NS)
         self.verify.observe((r.t_verified - r.t_drafted) * _NS)

@@ -67,6 +67,7 @@ class StepRecord:
     t_end: int                       # tokens committed and queued to their clients
     # where the hop went, ns by part (empty when no answer came): see hop_parts
     hop_parts: dict[str, int] = field(default_factory=dict)
+    hidden_bytes: int = 0            # target hidden states the request carried
 
 
 HOP_PARTS = ("send", "wait", "read", "to_draft", "draft", "to_verify")
