@@ -223,12 +223,9 @@ class VerifyEngine:
         why there are none. A drafter that reads hidden states serves only sequences
         whose history was captured (those admitted before it connected decode plainly)."""
         needs = bool(self.verifier.capture_layers)
-        info = self.link.info if self.link is not None else None
-        room = info.max_model_len - info.envelope.depth - 1 if info and info.max_model_len \
-            else None                  # the draft refuses longer sequences
         rows = [i for i, s in enumerate(seqs)
                 if s.speculative and (s.hidden is not None or not needs)
-                and (room is None or len(s.tokens) <= room)]
+                and not self._past_draft_limit(s)]
         if not rows:
             return Drafted(None), rows
         if self.link is None or not self.link.ready:
@@ -272,13 +269,15 @@ class VerifyEngine:
             return                       # telemetry off: not even a record is built
         self._observe_step(drafted, len(seqs), done, why, trees is not None, t0, t1, t2)
 
+    def _past_draft_limit(self, s: Sequence) -> bool:
+        """Whether s (with a tree's worth more) is longer than the draft takes."""
+        info = self.link.info if self.link is not None else None
+        return bool(info and info.max_model_len
+                    and len(s.tokens) > info.max_model_len - info.envelope.depth - 1)
+
     def _unasked(self, s: Sequence) -> str:
         """Why a speculating sequence was not asked for a tree."""
-        info = self.link.info if self.link is not None else None
-        if info is not None and info.max_model_len and \
-                len(s.tokens) > info.max_model_len - info.envelope.depth - 1:
-            return "draft_max_model_len"
-        return "no_hidden_states"
+        return "draft_max_model_len" if self._past_draft_limit(s) else "no_hidden_states"
 
     def _commit(self, seqs: list[Sequence], trees: TreeBatch | None, res: StepResult,
                 why: dict[int, str]) -> list[tuple[Sequence, int, int, int, int]]:
