@@ -49,6 +49,15 @@ def _admits(keys: tuple[bytes, ...], md) -> bool:
     return ok
 
 
+# a handler of the same kind as another: by (request streaming, response streaming)
+HANDLER_FACTORIES: dict[tuple[bool, bool], Callable] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
 def _refuse(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     async def unary(request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -59,12 +68,7 @@ def _refuse(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         await unary(request, context)
         yield  # pragma: no cover - abort raises
 
-    make: Callable = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
+    make = HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
     return make(stream if handler.response_streaming else unary,
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)

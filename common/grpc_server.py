@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import codec
-from common.auth import AuthInterceptor
+from common.auth import HANDLER_FACTORIES, AuthInterceptor
 from common.errors import InvalidRequest, Overloaded, Unavailable
 from common.tls import ServerTLS
 
@@ -111,13 +111,6 @@ def _wrap(behavior: Callable, method: str, parse: Callable, streaming: bool) -> 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every handler so that domain errors become gRPC status codes."""
 
-    _factories = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails
                                 ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
@@ -129,7 +122,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
             return handler      # a sync handler runs in grpc's thread pool, as it is
         parse = _parser(handler.request_deserializer, details.method)
-        return self._factories[kind](_wrap(behavior, details.method, parse, kind[0]),
+        return HANDLER_FACTORIES[kind](_wrap(behavior, details.method, parse, kind[0]),
                                      request_deserializer=None,
                                      response_serializer=handler.response_serializer)
 
