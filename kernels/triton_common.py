@@ -170,8 +170,9 @@ def log_compiles(log) -> None:
     except ImportError:          # a triton without knobs: nothing to hook
         return
 
-    def hook(*, repr: str, **_) -> bool:
-        log.info("Triton compile while serving: %s", repr[:400])
+    def hook(*, repr: str, compile: dict, **_) -> bool:
+        log.info("Triton compile while serving: %s constants %s", " ".join(repr.split())[:1500],
+                 compile.get("constants"))
         return False             # True would skip the compile
 
     knobs.runtime.jit_cache_hook = hook

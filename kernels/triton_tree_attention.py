@@ -89,7 +89,8 @@ def _ancestor_bits(par_ptr, row_parent, w0, limit, WINDOW: tl.constexpr):
     return bits
 
 
-@triton.jit
+# step-varying sizes unspecialized (== 1, % 16): a new combination = a compile mid-serving
+@triton.jit(do_not_specialize=["num_seqs", "total_q", "anc_words", "s_bt"])
 def _tree_attention_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_ptr, par_ptr, anc_ptr,
         out_ptr, acc_ws, m_ws, l_ws,
@@ -201,7 +202,7 @@ def _tree_attention_kernel(
         tl.store(l_ws + ws, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_q"])
 def _combine_splits_kernel(acc_ws, m_ws, l_ws, out_ptr, total_q, num_q_heads, s_ot, s_oh,
                            NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
                            PDL: tl.constexpr):
