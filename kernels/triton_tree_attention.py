@@ -334,7 +334,7 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BT=bt, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK_N=min(block_n, 64), D=d, BS=bs,
-        BLOCK_B=max(16, next_pow2(nseq)), NUM_SPLITS=splits, MIN_SPLIT=MIN_SPLIT_KEYS,
+        BLOCK_B=max(64, next_pow2(nseq)), NUM_SPLITS=splits, MIN_SPLIT=MIN_SPLIT_KEYS,
         HAS_ANC=ancestors is not None,
         PREC=prec,
         DOT_F32=interpreted(_tree_attention_kernel) and q.dtype == torch.bfloat16,

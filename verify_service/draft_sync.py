@@ -36,9 +36,10 @@ if TYPE_CHECKING:
 
 
 # target hidden states one request carries at most: a new sequence's prompt (24 KB a
-# token at the Qwen3-8B EAGLE-3 shape) is sent over as many steps as it takes, so no
-# message nears the 64 MB limit and no step pays for a whole batch of prompts
-MAX_HIDDEN_BYTES = 32 << 20
+# token at the Qwen3-8B EAGLE-3 shape) is sent over as many steps as it takes. The
+# bound keeps a step's answer inside the deadline: at 32 MB (encode, socket, decode:
+# ~100 ms) every syncing step missed it on the H200 and the steps after it ran plain
+MAX_HIDDEN_BYTES = 8 << 20
 
 
 @dataclass
