@@ -54,9 +54,10 @@ class ReplayProposer:
     def update(self, seq_id, tokens, new_count, accepted_nodes, hidden) -> None:
         # the reference is looked up once per sequence (hashing a 1024-token prompt
         # inside every timed step would be the instrument's own cost, not a draft's)
+        # (a prompt whose hidden states cross over several steps comes in parts)
         known = self.seqs.get(seq_id)
-        found = known[1] if known is not None and new_count < len(tokens) \
-            else self._continuation(tokens)
+        found = known[1] if known is not None and known[1] is not None \
+            and new_count < len(tokens) else self._continuation(tokens)
         self.seqs[seq_id] = (tokens, found)
 
     def release(self, seq_id) -> None:

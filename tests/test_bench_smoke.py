@@ -70,3 +70,18 @@ def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     assert rand["lossless"] and shadow["lossless"] and not rand["fallbacks"]
     assert shadow["tokens_per_step"] == 4.0      # 9 = the prefill's token and 2 steps of 4
     assert shadow["hop_draft_ms"] > 0 and rand["hop_draft_ms"] > 0
+
+
+def test_replay_finds_a_prompt_that_arrives_in_parts():
+    """A prompt whose hidden states cross over several steps reaches the draft in
+    parts (a full update of a prefix, then the rest): the replay still finds it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from replay import ReplayProposer
+    prompt, cont = list(range(10, 30)), [7, 8, 9, 6, 5]
+    rp = ReplayProposer([{"prompt": prompt, "continuation": cont}], depth=4, corrupt=0.0,
+                        vocab=100)
+    rp.update(1, prompt[:8], 8, [], None)
+    assert rp.propose([1]).tokens[0].tolist() == [0, 0, 0, 0]     # nothing known yet
+    rp.update(1, prompt, 12, [], None)
+    rp.update(1, prompt + cont[:1], 1, [], None)
+    assert rp.propose([1]).tokens[0].tolist() == cont[1:5]

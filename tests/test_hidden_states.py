@@ -90,8 +90,10 @@ def test_hidden_states_of_committed_tokens_travel_once(target_dir, rows_a_step):
     assert out.token_ids == ref
     assert out.stats["accepted_tokens"] > 0
     # 9 rows after the prefill (8 prompt tokens and the first) at 5 a step: one plain
-    # step while they cross; after it a step brings at most depth + 1 = 5 rows
-    assert fallbacks == ({"syncing": 1} if rows_a_step else {})
+    # step while they cross (its request is not waited for: the next step may find the
+    # draft still busy with it); after it a step brings at most depth + 1 = 5 rows
+    assert fallbacks.pop("syncing", 0) == (1 if rows_a_step else 0)
+    assert set(fallbacks) <= ({"busy"} if rows_a_step else set())
     (sid, toks), = rec.tokens.items()
     rows = torch.cat(rec.rows[sid])                            # [len(toks), 2 * hidden]
     assert rows.shape[0] == len(toks) and toks == (prompt + ref)[:len(toks)]

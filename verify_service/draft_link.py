@@ -30,7 +30,7 @@ from common.tls import ClientTLS, channel
 from common.tree import TreeBatch
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
-from verify_service.draft_sync import DraftSync
+from verify_service.draft_sync import DraftSync, Outgoing
 from verify_service.drafter import Drafted
 from verify_service.sequence import Sequence
 
@@ -171,9 +171,25 @@ class DraftLink:
             log.info("draft's local socket %s not usable here (%s)", info.local_socket, e)
             return None
 
+    async def _send_only(self, seqs: list[Sequence], out: Outgoing) -> Drafted:
+        """A request whose every row is still being synced (its trees would go unused):
+        sent without waiting, so the step decodes plain while the draft takes in the
+        hidden states (the answer only frees the draft for the next request)."""
+        self._outstanding = out.request.step_id
+        try:
+            await self._call.write(wire.spec_request_to_pb(out.request))
+        except Exception as e:
+            log.warning("draft write failed: %s", e)
+            self._outstanding = None
+        finally:
+            self.sync.sent(seqs, out)
+        return Drafted(None, None, out.request.step_id, syncing=out.syncing,
+                       hidden_bytes=out.hidden_bytes)
+
     def _deliver(self, msg: pb.Proposal) -> None:
-        """Hand the awaited answer to propose(); a late answer to a step that already
-        timed out only frees the draft for the next step (never applied)."""
+        """Hand the awaited answer to propose(); an answer nobody waits for (late, or
+        to a request sent without waiting) frees the draft for the next step, and only
+        its resync list is applied."""
         if msg.step_id != self._outstanding:
             return
         if self._waiter is not None and not self._waiter.done():
@@ -181,6 +197,7 @@ class DraftLink:
             self._waiter.set_result(msg)
         else:
             self._outstanding = None
+            self.sync.resync(list(msg.resync))
 
     async def propose(self, seqs: list[Sequence], trace: dict[str, str]) -> Drafted:
         """Send one step's request and wait up to the deadline for its answer: one
@@ -191,6 +208,8 @@ class DraftLink:
             return Drafted(None, "busy")     # the draft is still on a step that timed out
         out = self.sync.request(seqs, bool(self._info.target_hidden_layers), trace)
         step = out.request.step_id
+        if out.rows and set(out.rows) <= set(out.syncing):
+            return await self._send_only(seqs, out)
         loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
         self._outstanding = step
