@@ -78,15 +78,34 @@ def resolve(given: dict, defaults: dict) -> SamplingParams:
     return SamplingParams(**{k: v for k, v in vals.items() if k in names})
 
 
+# A batch whose drawing rows all have 0 < top_k <= TOPK_FIRST (Qwen3's default is 20)
+# filters the TOPK_FIRST largest logits of a row instead of sorting the vocabulary:
+# the same tokens survive, at a fraction of the cost.
+TOPK_FIRST = 64
+
+
+def filter_width(params: list[SamplingParams] | None) -> int:
+    """How a step draws for these rows: 0 no row draws, TOPK_FIRST every drawing row
+    has 0 < top_k <= TOPK_FIRST, -1 the whole vocabulary is sorted."""
+    drawing = [p for p in params or () if not p.greedy]
+    if not drawing:
+        return 0
+    return TOPK_FIRST if all(0 < p.top_k <= TOPK_FIRST for p in drawing) else -1
+
+
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+                  top_p: torch.Tensor, min_p: torch.Tensor, width: int = -1) -> torch.Tensor:
     """logits [R, V] float32 and per-row parameters [R] -> logits / T with the tokens
     outside top-k, top-p and min-p at -inf (rows with T 0 are returned unscaled; the
-    caller takes their argmax). Fixed shapes, no host sync: one sort a row."""
+    caller takes their argmax). Fixed shapes, no host sync: one sort a row, or with
+    0 < width < V (every drawing row's top_k <= width) a top-``width`` selection."""
     v = logits.shape[-1]
     x = logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(-1)
-    sorted_x, order = x.sort(-1, descending=True)
-    rank = torch.arange(v, device=x.device)
+    if 0 < width < v:
+        sorted_x, order = x.topk(width, -1)
+    else:
+        sorted_x, order = x.sort(-1, descending=True)
+    rank = torch.arange(sorted_x.shape[-1], device=x.device)
     keep = (top_k.unsqueeze(-1) <= 0) | (rank < top_k.unsqueeze(-1))            # top-k
     probs = torch.softmax(torch.where(keep, sorted_x, float("-inf")), -1)
     before = probs.cumsum(-1) - probs                   # mass of the tokens ranked above

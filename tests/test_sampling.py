@@ -11,8 +11,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from common.errors import InvalidRequest
-from common.sampling import (GREEDY, SamplingParams, checkpoint_defaults, draw,
-                             filter_logits, resolve)
+from common.sampling import (GREEDY, TOPK_FIRST, SamplingParams, checkpoint_defaults, draw,
+                             filter_logits, filter_width, resolve)
 from kernels.reference import gumbel_noise
 
 
@@ -32,6 +32,17 @@ def test_filtering_equals_transformers_warpers():
                             torch.tensor([m]))
         assert torch.equal(torch.isinf(got), torch.isinf(want))
         assert torch.allclose(got[~torch.isinf(got)], want[~torch.isinf(want)])
+        if k > 0:          # top-k first (a batch whose rows all have top_k <= 24)
+            assert torch.equal(filter_logits(logits, torch.tensor([t]), torch.tensor([k]),
+                                             torch.tensor([p]), torch.tensor([m]), 24), got)
+
+
+def test_filter_width_takes_top_k_first_only_when_every_drawing_row_allows_it():
+    g, qwen = SamplingParams(), SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
+    assert filter_width(None) == filter_width([g, g]) == 0
+    assert filter_width([g, qwen]) == TOPK_FIRST
+    assert filter_width([qwen, SamplingParams(temperature=1.0)]) == -1         # top_k 0
+    assert filter_width([SamplingParams(temperature=1.0, top_k=TOPK_FIRST + 1)]) == -1
 
 
 def test_noise_is_keyed_by_seed_and_position_only():

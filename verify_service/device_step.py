@@ -30,12 +30,13 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
                capture: tuple[int, ...], roots: torch.Tensor, tokens: torch.Tensor,
                parents: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                sampling: list[torch.Tensor] | None = None,
-               rejection: tuple[torch.Tensor, torch.Tensor, int] | None = None
-               ) -> tuple[torch.Tensor, ...]:
+               rejection: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+               width: int = -1) -> tuple[torch.Tensor, ...]:
     """roots [B] int64, tokens/parents [B, N] int32, context_lens [B] int32,
     block_tables [B, P] int32, sampling: None (every row greedy) or each row's
     [temperature, top_k, top_p, min_p, seed] [B] (common.sampling.as_tensors),
-    rejection: None or (q_ids, q_probs [B, N, Q], siblings tried per node) ->
+    rejection: None or (q_ids, q_probs [B, N, Q], siblings tried per node), width:
+    common.sampling.filter_width of the rows' parameters ->
     accepted [B, depth] int32 (padded -1), num_accepted [B] int32, bonus [B] int64 and,
     when capture names target layers, their hidden states at [root, accepted path]
     [B, depth + 1, C] (rows past the path are junk). Advancing kv_len is the caller's.
@@ -58,7 +59,7 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
     else:
         per_row = [x.repeat_interleave(t) for x in sampling]             # [B * T] each
         logits = ops.linear(hidden, model.lm_head.weight)
-        kept = filter_logits(logits.float(), *per_row[:4])
+        kept = filter_logits(logits.float(), *per_row[:4], width=width)
         target_ids = draw(logits, *per_row, position=fb.positions + 1, kept=kept).view(b, t)
     accepted, num, bonus = ops.accept_greedy(tokens, parents, target_ids, depth)
     if rejection is not None and depth:

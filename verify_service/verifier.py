@@ -27,7 +27,7 @@ from common.forward_batch import build_forward_batch, chain_chunk
 from common.graph_buckets import BucketedGraphs
 from common.kv_cache import PagedKVCache, SeqPages
 from common.qwen3 import Qwen3Model
-from common.sampling import GREEDY, SamplingParams, as_tensors, draw
+from common.sampling import GREEDY, SamplingParams, as_tensors, draw, filter_width
 from common.tree import PAD, TreeBatch
 from verify_service.device_step import fixed_step
 
@@ -106,9 +106,10 @@ class Verifier:
 
     def _family(self, n: int, params: list[SamplingParams] | None,
                 trees: TreeBatch | None) -> tuple:
-        """A step graph's family: tree size, captured layers, whether it draws, and
-        for rejection sampling q's width and the siblings tried per node."""
-        sampled = _sampled(params)
+        """A step graph's family: tree size, captured layers, how it draws
+        (common.sampling.filter_width: 0 it does not), and for rejection sampling q's
+        width and the siblings tried per node."""
+        sampled = filter_width(params)
         q = trees.q_ids.shape[2] if sampled and n and trees.q_ids is not None else 0
         return n, self.capture_layers, sampled, q, self.siblings if q else 0
 
@@ -182,10 +183,6 @@ class Verifier:
                           [res[i][d + 1] for i in range(len(nums))], rows)
 
 
-def _sampled(params: list[SamplingParams] | None) -> bool:
-    return params is not None and not all(p.greedy for p in params)
-
-
 def _bits(x: float) -> int:
     """A float32's bits as an int32 (sampling parameters travel in the int32 pack)."""
     return struct.unpack("<i", struct.pack("<f", x))[0]
@@ -215,11 +212,11 @@ def pack_inputs(roots: list[int], ctx: list[int], trees: TreeBatch | None,
 
 
 def packed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: int,
-                capture: tuple[int, ...], n: int, sampled: bool, packed: torch.Tensor,
+                capture: tuple[int, ...], n: int, sampled: int, packed: torch.Tensor,
                 q: int = 0, siblings: int = 0) -> tuple[torch.Tensor, ...]:
     """fixed_step on pack_inputs' layout; returns [B, depth + 2] int64 (accepted
     nodes padded -1, number accepted, bonus token) and, when capturing, the path's
-    hidden states: one tensor to read back."""
+    hidden states: one tensor to read back. sampled: filter_width (0: no row draws)."""
     roots, ctx = packed[:, 0].long(), packed[:, 1].contiguous()
     sampling = None
     if sampled:
@@ -236,6 +233,7 @@ def packed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: 
         at += 2 * n * q
     table = packed[:, at:].contiguous()
     accepted, num, bonus, *path = fixed_step(model, cache, ops, depth, capture, roots, tokens,
-                                             parents, ctx, table, sampling, rejection)
+                                             parents, ctx, table, sampling, rejection,
+                                             sampled)
     out = torch.cat([accepted.long(), num.long().unsqueeze(1), bonus.long().unsqueeze(1)], 1)
     return (out, *path)
