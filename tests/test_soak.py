@@ -1,14 +1,19 @@
-"""A bounded soak on loopback: 200 concurrent streams against a verify service whose
-n-gram draft (a `treespec draft` process) is killed and restarted on the same port
-every second or so, with a fifth of the streams cancelled by their clients midway.
-Every stream that finishes carries plain decode's tokens, none is lost, and when it is
-over the verify service holds no KV page."""
+"""A bounded soak on loopback: 500 concurrent streams (two rounds of 250) against a
+verify service whose draft model (a `treespec draft` process) is killed and
+restarted on the same port every second or so, with a fifth of the streams cancelled
+by their clients midway. Every stream that finishes carries plain decode's tokens,
+none is lost, the verify service holds no KV page after each round and its memory
+does not grow from the first round to the second; then, with the draft left alone,
+a last round leaves the draft holding no sequence and no page either."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
+import re
 import time
+import urllib.request
 
 import pytest
 
@@ -16,21 +21,34 @@ from common.client import AsyncTreespecClient
 from common.launch import ServiceProcess, cli_command
 from parallel_services import free_port
 
-STREAMS = 200
+ROUNDS, STREAMS = 2, 250
 PROMPTS = [[1 + (i * 7 + k) % 40 for k in range(6)] * 2 for i in range(8)]   # repeats
 
 
-def start_draft(port: int) -> ServiceProcess:
-    d = ServiceProcess("draft", cli_command("draft", "--method", "ngram", "--port", str(port),
-                                            "--device", "cpu"))
+def start_draft(port: int, model_dir, metrics_port: int) -> ServiceProcess:
+    d = ServiceProcess("draft", cli_command(
+        "draft", "--method", "model", "--model", str(model_dir), "--port", str(port),
+        "--device", "cpu", "--num-blocks", "512", "--metrics-port", str(metrics_port)))
     d.wait_listening(60)
     return d
 
 
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2 ** 20
+
+
+def draft_gauges(metrics_port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) \
+        .read().decode()
+    return {name: float(v) for name, v in re.findall(
+        r"^treespec:(draft_sequences|kv_pages_used)\{[^}]*\} (\S+)$", text, re.M)}
+
+
 @pytest.mark.timeout(300)
-def test_soak_with_a_draft_that_keeps_dying(target_dir):
-    port = free_port()
-    holder = {"draft": start_draft(port)}
+def test_soak_with_a_draft_that_keeps_dying(target_dir, draft_dir):
+    port, mport = free_port(), free_port()
+    holder = {"draft": start_draft(port, draft_dir, mport)}
     rng = random.Random(0)
 
     async def go():
@@ -40,6 +58,7 @@ def test_soak_with_a_draft_that_keeps_dying(target_dir):
             model=str(target_dir), draft=f"127.0.0.1:{port}", device="cpu", block_size=4,
             num_blocks=4096, max_batch=64, reconnect_s=0.2, step_deadline_ms=2000))
         addr = f"127.0.0.1:{vport}"
+        idle = draft_gauges(mport)          # a fresh draft's (its scratch page counts)
         try:
             async with AsyncTreespecClient(addr) as c:
                 want = [(await c.generate(prompt_ids=p, max_tokens=40, ignore_eos=True,
@@ -54,7 +73,8 @@ def test_soak_with_a_draft_that_keeps_dying(target_dir):
                         holder["draft"].proc.kill()
                         holder["draft"].stop(1)
                         kills += 1
-                        holder["draft"] = await asyncio.to_thread(start_draft, port)
+                        holder["draft"] = await asyncio.to_thread(start_draft, port,
+                                                                  draft_dir, mport)
                     return kills
 
                 async def stream(i: int):
@@ -71,17 +91,37 @@ def test_soak_with_a_draft_that_keeps_dying(target_dir):
                             return "cancelled", got, want[p][:len(got)], None
                     return "done", got, want[p][:n], final
 
+                async def settle():              # cancelled streams' pages return next step
+                    for _ in range(100):
+                        if engine.kv_pages_used == 0 and not engine.running:
+                            break
+                        await asyncio.sleep(0.05)
+                    return engine.kv_pages_used
+
                 killer = asyncio.create_task(chaos())
                 t0 = time.monotonic()
-                results = await asyncio.gather(*(stream(i) for i in range(STREAMS)))
+                results, pages, rss = [], [], []
+                for r in range(ROUNDS):
+                    results += await asyncio.gather(*(stream(i) for i in range(STREAMS)))
+                    pages.append(await settle())
+                    gc.collect()
+                    rss.append(rss_mb())
                 done.set()
                 kills = await killer
                 took = time.monotonic() - t0
-                for _ in range(100):           # cancelled streams' pages return next step
-                    if engine.kv_pages_used == 0 and not engine.running:
+                fallbacks = dict(engine.fallbacks)
+                for _ in range(200):             # the last draft, left alone, connects
+                    if engine.link.ready:
                         break
                     await asyncio.sleep(0.05)
-                return results, kills, took, engine.kv_pages_used, dict(engine.fallbacks)
+                last = await asyncio.gather(*(stream(i) for i in range(20)))
+                pages.append(await settle())
+                for _ in range(100):             # ended requests reach the draft (idle step)
+                    gauges = draft_gauges(mport)
+                    if gauges == idle:
+                        break
+                    await asyncio.sleep(0.05)
+                return results, last, kills, took, pages, rss, fallbacks, gauges, idle
         finally:
             await vs.stop(0.5)
             await engine.stop()
@@ -89,16 +129,19 @@ def test_soak_with_a_draft_that_keeps_dying(target_dir):
                 await engine.link.close()
 
     try:
-        results, kills, took, pages, fallbacks = asyncio.run(go())
+        results, last, kills, took, pages, rss, fallbacks, gauges, idle = asyncio.run(go())
     finally:
         holder["draft"].stop(2)
-    assert len(results) == STREAMS
-    for kind, got, want, final in results:
+    assert len(results) == ROUNDS * STREAMS
+    for kind, got, want, final in results + last:
         assert got == want, kind                   # not one wrong token
         if kind == "done":
             assert final.finish_reason == "length"
-    assert kills >= 1, took
+    assert kills >= 2, took
     assert any(f is not None and f.stats["draft_tokens"] for *_, f in results)  # it drafted
     assert fallbacks.get("disconnected", 0) > 0, fallbacks                      # and died
-    assert sum(r[0] == "done" for r in results) >= STREAMS // 2
-    assert pages == 0, fallbacks
+    assert sum(r[0] == "done" for r in results) >= len(results) // 2
+    assert pages == [0] * (ROUNDS + 1), (pages, fallbacks)
+    assert rss[-1] - rss[0] < 64, rss              # MB: flat from one round to the next
+    assert any(f is not None and f.stats["draft_tokens"] for *_, f in last)
+    assert idle["draft_sequences"] == 0 and gauges == idle, (gauges, idle)
