@@ -137,7 +137,8 @@ async def start_server(host: str, port: int, add_servicers: Callable[[grpc.aio.S
                        service_names: list[str],
                        interceptors: list[grpc.aio.ServerInterceptor] | None = None,
                        tls: ServerTLS | None = None, api_keys: tuple[bytes, ...] | None = None,
-                       reflect: bool = True) -> tuple[grpc.aio.Server, int]:
+                       reflect: bool = True, max_receive: int = MAX_MESSAGE_BYTES
+                       ) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server with error mapping, health and reflection.
 
     add_servicers registers the service's own servicers; service_names are their
@@ -146,12 +147,13 @@ async def start_server(host: str, port: int, add_servicers: Callable[[grpc.aio.S
     interceptors (e.g. tracing) run outside the error mapping, first one outermost.
     tls on: the port serves TLS only (mutual TLS when it names a client CA); api_keys:
     every call but health checks needs one of them (common.auth); reflect: serve
-    gRPC reflection.
+    gRPC reflection; max_receive: a larger request is refused unread
+    (RESOURCE_EXHAUSTED).
     """
     auth = [AuthInterceptor(api_keys)] if api_keys else []
     server = grpc.aio.server(
         interceptors=[*auth, *(interceptors or ()), ErrorMappingInterceptor()],
-        options=MESSAGE_LIMITS)
+        options=[MESSAGE_LIMITS[0], ("grpc.max_receive_message_length", max_receive)])
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

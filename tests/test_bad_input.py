@@ -94,3 +94,14 @@ def test_a_sequence_past_the_draft_s_length_decodes_plainly(target_dir):
     spec, plain, fallbacks = asyncio.run(go())
     assert spec.token_ids == plain.token_ids
     assert spec.stats["draft_tokens"] > 0 and fallbacks.get("draft_max_model_len", 0) > 0
+
+
+def test_a_request_far_past_the_prompt_cap_is_refused_unread():
+    async def go():
+        async with services(TARGET, max_prompt_bytes=1 << 20) as h:
+            async with AsyncTreespecClient(h["addr"]) as c:
+                with pytest.raises(TreespecError) as err:
+                    await c.generate(prompt="z" * (8 << 20), max_tokens=1)
+                return err.value
+    err = asyncio.run(go())
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err

@@ -23,6 +23,9 @@ from verify_service.observer import EngineObserver, combine
 from verify_service.servicer import GenerationServicer
 
 SERVICE = "treespec.v1.Generation"
+# a Generate request's bytes beside its text prompt (prompt ids up to a long context,
+# stop ids, ids): with --max-prompt-bytes, the largest request read at all
+REQUEST_ROOM = 4 << 20
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -88,8 +91,8 @@ async def start(cfg: VerifyConfig, tracer_provider: TracerProvider | None = None
     server, port = await start_server(
         cfg.host, cfg.port, lambda s: pb_grpc.add_GenerationServicer_to_server(servicer, s),
         [SERVICE], [TracingInterceptor(tracer_provider)] if tracer_provider else None,
-        tls=cfg.server_tls, api_keys=cfg.api_keys,
-        reflect=cfg.reflect)
+        tls=cfg.server_tls, api_keys=cfg.api_keys, reflect=cfg.reflect,
+        max_receive=cfg.max_prompt_bytes + REQUEST_ROOM)
     return server, port, engine
 
 
