@@ -91,3 +91,20 @@ def test_a_client_deadline_ends_the_request_and_returns_its_pages(target_dir):
     err, took, pages, running = asyncio.run(go())
     assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and took < 2.0
     assert pages == 0 and running == 0
+
+
+def test_2000_simultaneous_calls_each_get_an_answer(target_dir):
+    """A flood past --max-waiting: every call is served or refused RESOURCE_EXHAUSTED;
+    none is dropped by the transport (bare CANCELLED, uncounted)."""
+    async def go():
+        async with services(target_dir, max_waiting=500) as h:
+            async with AsyncTreespecClient(h["addr"]) as c:
+                async def one():
+                    try:
+                        await c.generate(prompt_ids=[1, 2, 3], max_tokens=2)
+                        return "OK"
+                    except TreespecError as e:
+                        return e.code.name
+                return await asyncio.gather(*(one() for _ in range(2000)))
+    got = asyncio.run(go())
+    assert set(got) == {"OK", "RESOURCE_EXHAUSTED"}, {g: got.count(g) for g in set(got)}
