@@ -1,9 +1,9 @@
 """The hostile client's cases (issue 17) against both services as `treespec` CLI
 processes on loopback, each with the status it gets now and what it cost the others.
 
-    python bench/hostile.py [--target tiny-code] [--out FILE.json]
+    python bench/hostile.py [--target tiny-code] [--draft-model tiny-code-draft] [--out F]
 
-The draft (n-gram) and the verify run with bearer tokens on both hops; the probes
+The draft (the draft model; n-gram with --draft-model "") and the verify run with bearer tokens on both hops; the probes
 that must get past authentication carry the token. Prints one line a case.
 """
 
@@ -148,12 +148,15 @@ async def drained(vaddr: str, verify) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="tiny-code")
+    ap.add_argument("--draft-model", default="tiny-code-draft")
     ap.add_argument("--out")
+    ap.add_argument("--log", action="store_true", help="print both services' logs")
     a = ap.parse_args()
     keys = Path(tempfile.mkdtemp()) / "keys"
     keys.write_text(KEY + "\n")
-    draft = start_service("draft", ["draft", "--method", "ngram", "--port", "0",
-                                    "--api-key-file", str(keys)])
+    method = ["--method", "model", "--model", a.draft_model] if a.draft_model \
+        else ["--method", "ngram"]
+    draft = start_service("draft", ["draft", *method, "--port", "0", "--api-key-file", str(keys)])
     verify = start_service("verify", ["verify", "--model", a.target, "--draft", draft.addr,
                                       "--port", "0", "--api-key-file", str(keys),
                                       "--draft-api-key-file", str(keys)])
@@ -168,6 +171,8 @@ def main() -> None:
     for name, svc in (("verify", verify), ("draft", draft)):
         lines = svc.output().splitlines()
         print(f"{name} log: {len(lines)} lines, {sum('Traceback' in x for x in lines)} tracebacks")
+        if a.log:
+            print("\n".join(lines))
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
 

@@ -42,8 +42,9 @@ from draft_service.registry import build_proposer
 
 log = logging.getLogger(__name__)
 
-# a step slower than this is logged with what it carried (a verify service waits
-# 100 ms by default before it decodes the step without a tree)
+# a step slower than this is logged with what it carried (the first, the 10th, every
+# 1000th and any over a second; a verify service waits 100 ms by default before it
+# decodes the step without a tree)
 SLOW_STEP_MS = 50.0
 # sequences one request may carry (or --max-sequences, if larger): a batch past the
 # sequences the draft keeps evicts the oldest, past this it is refused unread
@@ -101,6 +102,7 @@ class DraftEngine:
         self.env = cfg.envelope
         self.proposer = proposer if proposer is not None else build_proposer(cfg)
         self._seqs: OrderedDict[int, _SeqState] = OrderedDict()
+        self._slow = 0                  # steps slower than SLOW_STEP_MS
         self.observer: DraftObserver = observer or NullDraftObserver()
 
     @property
@@ -153,9 +155,12 @@ class DraftEngine:
         resp = SpecResponse(req.step_id, ids, trees, resync)
         took = (time.time_ns() - t0) / 1e6
         if took > SLOW_STEP_MS:
-            log.info("step %d took %.0f ms (proposer %.0f ms): %d sequences, %d new tokens",
-                     req.step_id, took, (tp1 - tp0) / 1e6, len(ids),
-                     sum(len(u.new_tokens) for u in req.seqs))
+            self._slow += 1
+            if took > 20 * SLOW_STEP_MS or self._slow in (1, 10) or self._slow % 1000 == 0:
+                log.info("step %d took %.0f ms (proposer %.0f ms): %d sequences, %d new "
+                         "tokens (%d steps over %.0f ms so far)", req.step_id, took,
+                         (tp1 - tp0) / 1e6, len(ids), sum(len(u.new_tokens) for u in req.seqs),
+                         self._slow, SLOW_STEP_MS)
         self.observer.step_finished(DraftStepRecord(req, resp, t0, tp0, tp1, time.time_ns()))
         return resp
 
