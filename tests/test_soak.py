@@ -11,15 +11,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
-import re
 import time
-import urllib.request
 
 import pytest
 
 from common.client import AsyncTreespecClient
 from common.launch import ServiceProcess, cli_command
 from parallel_services import free_port
+from prom import scrape, value
 
 ROUNDS, STREAMS = 2, 250
 PROMPTS = [[1 + (i * 7 + k) % 40 for k in range(6)] * 2 for i in range(8)]   # repeats
@@ -39,10 +38,8 @@ def rss_mb() -> float:
 
 
 def draft_gauges(metrics_port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) \
-        .read().decode()
-    return {name: float(v) for name, v in re.findall(
-        r"^treespec:(draft_sequences|kv_pages_used)\{[^}]*\} (\S+)$", text, re.M)}
+    m = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+    return {name: value(m, f"treespec:{name}") for name in ("draft_sequences", "kv_pages_used")}
 
 
 @pytest.mark.timeout(300)
@@ -101,7 +98,7 @@ def test_soak_with_a_draft_that_keeps_dying(target_dir, draft_dir):
                 killer = asyncio.create_task(chaos())
                 t0 = time.monotonic()
                 results, pages, rss = [], [], []
-                for r in range(ROUNDS):
+                for _ in range(ROUNDS):
                     results += await asyncio.gather(*(stream(i) for i in range(STREAMS)))
                     pages.append(await settle())
                     gc.collect()
