@@ -93,12 +93,14 @@ def filter_width(params: list[SamplingParams] | None) -> int:
     return TOPK_FIRST if all(0 < p.top_k <= TOPK_FIRST for p in drawing) else -1
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, min_p: torch.Tensor, width: int = -1) -> torch.Tensor:
-    """logits [R, V] float32 and per-row parameters [R] -> logits / T with the tokens
-    outside top-k, top-p and min-p at -inf (rows with T 0 are returned unscaled; the
-    caller takes their argmax). Fixed shapes, no host sync: one sort a row, or with
-    0 < width < V (every drawing row's top_k <= width) a top-``width`` selection."""
+def filter_sparse(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor, width: int = -1
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V] float32 and per-row parameters [R] -> (values, ids) [R, W]: the
+    row's W likeliest tokens' logits / T, those outside top-k, top-p and min-p at
+    -inf (rows with T 0 unscaled; the caller takes their argmax). W = width when
+    0 < width < V (every drawing row's top_k <= width: a top-``width`` selection),
+    else V (one sort a row). Fixed shapes, no host sync."""
     v = logits.shape[-1]
     x = logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(-1)
     if 0 < width < v:
@@ -111,23 +113,28 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     before = probs.cumsum(-1) - probs                   # mass of the tokens ranked above
     keep &= (before < top_p.unsqueeze(-1)) | (rank == 0)                         # top-p
     keep &= sorted_x - sorted_x[:, :1] >= torch.log(min_p).unsqueeze(-1)         # min-p
-    kept = torch.full_like(x, float("-inf")).scatter(-1, order,
-                                                     torch.where(keep, sorted_x, -math.inf))
-    return kept
+    return torch.where(keep, sorted_x, -math.inf), order
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor, width: int = -1) -> torch.Tensor:
+    """filter_sparse's result as logits [R, V] (the filtered-out tokens at -inf)."""
+    vals, ids = filter_sparse(logits, temperature, top_k, top_p, min_p, width)
+    return torch.full_like(logits, float("-inf")).scatter(-1, ids, vals)
 
 
 def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
          top_p: torch.Tensor, min_p: torch.Tensor, seed: torch.Tensor,
-         position: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+         position: torch.Tensor, width: int = -1) -> torch.Tensor:
     """The token each row draws [R] int64 (the argmax where T is 0). logits [R, V]
     (any float dtype), parameters [R], seed [R] and position [R] (the index in its
-    sequence of the token being drawn) int64; kept: filter_logits' result when the
-    caller has it."""
+    sequence of the token being drawn) int64; width: as for filter_sparse. The noise
+    is only computed for the W candidates: a token's noise depends on its id alone,
+    so the draw is the one over the whole vocabulary."""
     greedy = logits.argmax(-1)
-    scores = filter_logits(logits.float(), temperature, top_k, top_p, min_p) \
-        if kept is None else kept
-    sampled = (scores + gumbel_noise(seed, position, logits.shape[-1])).argmax(-1)
-    return torch.where(temperature > 0, sampled, greedy)
+    vals, ids = filter_sparse(logits.float(), temperature, top_k, top_p, min_p, width)
+    pick = (vals + gumbel_noise(seed, position, ids)).argmax(-1, keepdim=True)
+    return torch.where(temperature > 0, ids.gather(-1, pick).squeeze(-1), greedy)
 
 
 # A drafter's q under rejection sampling: its filtered distribution's DRAFT_Q likeliest

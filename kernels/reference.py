@@ -245,7 +245,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def uniform_noise(seed: torch.Tensor, position: torch.Tensor, ids: torch.Tensor | int
                   ) -> torch.Tensor:
     """Uniforms [R, V] float32 in (0, 1) for rows keyed (seed [R], position [R]) int64
-    and ids [V] (an int V: ids 0 .. V-1), from a hash of (seed, position, id).
+    and ids [V] or per row [R, V] (an int V: ids 0 .. V-1), from a hash of (seed,
+    position, id).
     Counter-based: the same key gives the same number on any device, in any batch,
     for an id whatever else is drawn beside it."""
     key = _mix32(_mix32(seed.long()) ^ position.long())

@@ -68,6 +68,21 @@ def test_draw_is_greedy_at_temperature_zero_and_keeps_to_top_k():
     assert abs((top2 == 0).float().mean().item() - 1 / (1 + math.exp(-1))) < 0.06
 
 
+def test_top_k_first_draw_is_the_whole_vocabularys_draw():
+    """The top-k-first draw hashes noise for its candidates only; a token's noise
+    depends on its id alone, so it draws what the dense filter plus dense noise does."""
+    g = torch.Generator().manual_seed(1)
+    n, v = 400, 300
+    logits = torch.randn(n, v, generator=g) * 2
+    t = torch.rand(n, generator=g) + 0.2
+    k = torch.randint(1, 20, (n,), generator=g)
+    p, m = torch.rand(n, generator=g) * 0.5 + 0.5, torch.rand(n, generator=g) * 0.1
+    seed, pos = torch.arange(n) * 7919, torch.randint(0, 4000, (n,), generator=g)
+    dense = (filter_logits(logits, t, k, p, m) + gumbel_noise(seed, pos, v)).argmax(-1)
+    assert torch.equal(draw(logits, t, k, p, m, seed, pos, width=20), dense)
+    assert torch.equal(draw(logits, t, k, p, m, seed, pos), dense)
+
+
 @pytest.mark.parametrize("kw, field", [
     (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(top_k=-2), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"),

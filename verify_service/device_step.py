@@ -59,12 +59,12 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
     else:
         per_row = [x.repeat_interleave(t) for x in sampling]             # [B * T] each
         logits = ops.linear(hidden, model.lm_head.weight)
-        kept = filter_logits(logits.float(), *per_row[:4], width=width)
-        target_ids = draw(logits, *per_row, position=fb.positions + 1, kept=kept).view(b, t)
+        target_ids = draw(logits, *per_row, position=fb.positions + 1, width=width).view(b, t)
     accepted, num, bonus = ops.accept_greedy(tokens, parents, target_ids, depth)
     if rejection is not None and depth:
         q_ids, q_probs, siblings = rejection
-        probs = kept.softmax(-1).view(b, t, -1)
+        probs = filter_logits(logits.float(), *per_row[:4], width=width).softmax(-1)
+        probs = probs.view(b, t, -1)
         walked = accept_rejection(tokens, parents, probs, q_ids, q_probs, sampling[4],
                                   (fb.positions + 1).view(b, t), depth, siblings)
         use = (sampling[0] > 0) & (q_probs.flatten(1) > 0).any(1)
