@@ -24,12 +24,16 @@ def safetensor_files(path: Path) -> list[Path]:
 
 
 def load_state_dict(path: str | Path, dtype: torch.dtype | None = None,
-                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint directory, cast to dtype if given."""
+                    device: torch.device | str = "cpu",
+                    names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory (or only those in names), cast to dtype
+    if given."""
     out: dict[str, torch.Tensor] = {}
     for f in safetensor_files(Path(path)):
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():
+                if names is not None and name not in names:
+                    continue
                 t = st.get_tensor(name)
                 if dtype is not None and t.is_floating_point():
                     t = t.to(dtype)

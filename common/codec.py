@@ -2,7 +2,9 @@
 
 Only host tensors are encoded: device tensors reach the host first through a reused
 pinned ``Staging`` buffer (one non-blocking copy and one sync for a whole message's
-rows); decoding copies the message bytes once, into a tensor of its own.
+rows); decoding copies the message bytes once, into a tensor of its own. On the
+same-host carrier a tensor may instead lie in the connection's shared buffer
+(common/shared_buffer.py): encoded as its offset there, decoded as a view of it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 
 import torch
 
+from common.shared_buffer import SharedBuffer
 from protos.treespec.v1 import treespec_pb2 as pb
 
 DTYPES: dict[str, torch.dtype] = {
@@ -46,18 +49,22 @@ class Staging:
 _BYTES_VIEW = {torch.bfloat16: torch.int16}
 
 
-def encode(t: torch.Tensor) -> pb.Tensor:
-    """A host tensor as a message."""
+def encode(t: torch.Tensor, shared: SharedBuffer | None = None) -> pb.Tensor:
+    """A host tensor as a message (as its offset when it lies in shared)."""
     name = NAMES.get(t.dtype)
     if name is None:
         raise CodecError(f"dtype {t.dtype} cannot travel")
+    if shared is not None and (at := shared.offset_of(t)) is not None:
+        return pb.Tensor(dtype=name, shape=t.shape, shared_offset=at)
     host = t.detach().contiguous()
     raw = host.view(_BYTES_VIEW.get(t.dtype, t.dtype)).numpy().tobytes() if host.numel() else b""
     return pb.Tensor(dtype=name, shape=host.shape, data=raw)
 
 
-def decode(msg: pb.Tensor, expect_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A message as a host tensor (CodecError if its dtype, shape and size disagree)."""
+def decode(msg: pb.Tensor, expect_dtype: torch.dtype | None = None,
+           shared: SharedBuffer | None = None) -> torch.Tensor:
+    """A message as a host tensor (CodecError if its dtype, shape and size disagree);
+    one in the connection's shared buffer is a view of it, valid until the answer."""
     dtype = DTYPES.get(msg.dtype)
     if dtype is None:
         raise CodecError(f"unknown tensor dtype {msg.dtype!r}; expected one of {sorted(DTYPES)}")
@@ -67,6 +74,13 @@ def decode(msg: pb.Tensor, expect_dtype: torch.dtype | None = None) -> torch.Ten
     if any(s < 0 for s in shape):
         raise CodecError(f"negative tensor shape {shape}")
     numel = math.prod(shape)
+    if msg.HasField("shared_offset"):
+        if shared is None:
+            raise CodecError("a tensor in a shared buffer, on a connection without one")
+        try:
+            return shared.view(msg.shared_offset, dtype, shape)
+        except ValueError as e:
+            raise CodecError(str(e)) from e
     data = msg.data
     if len(data) != numel * dtype.itemsize:
         raise CodecError(f"tensor of shape {shape} and dtype {msg.dtype} needs "

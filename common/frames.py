@@ -10,7 +10,9 @@ service that reaches it uses it (``--draft-socket auto``).
 Frames: a 5-byte header, ``<I`` payload length and one kind byte, then the payload.
 
     HELLO    server -> client, first: the draft's instance id (utf-8), so a client
-             knows the socket it reached belongs to the draft it asked GetInfo of
+             knows the socket it reached belongs to the draft it asked GetInfo of;
+             then, for a draft that reads hidden states, a newline and the path of
+             the connection's shared buffer (common/shared_buffer.py)
     MESSAGE  a serialized protobuf (SpeculateRequest one way, Proposal the other)
     ERROR    server -> client, last: "CODE\\nmessage" (a gRPC status code name), then
              the server closes the connection, as a gRPC stream ends with a status
@@ -138,6 +140,7 @@ class FrameStream(Generic[M]):
         self._reader = reader
         self._writer = writer
         self._parse = parse
+        self.shared_path: str | None = None     # the draft's shared buffer, if it named one
 
     @classmethod
     async def open(cls, address: str, instance_id: str, parse,
@@ -149,8 +152,10 @@ class FrameStream(Generic[M]):
             hello = await asyncio.wait_for(read_frame(reader), timeout_s)
             if hello is None or hello[0] != HELLO:
                 raise FrameError(f"{address} did not greet with a hello frame")
-            if hello[1].decode(errors="replace") != instance_id:
+            who, _, shared = hello[1].decode(errors="replace").partition("\n")
+            if who != instance_id:
                 raise FrameError(f"{address} belongs to another draft instance")
+            stream.shared_path = shared or None
         except BaseException:
             stream.cancel()
             raise

@@ -6,6 +6,7 @@ import torch
 
 from common import codec
 from common.sampling import SamplingParams
+from common.shared_buffer import SharedBuffer
 from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
 from common.tree import TreeBatch, TreeEnvelope
 from protos.treespec.v1 import treespec_pb2 as pb
@@ -31,7 +32,9 @@ def drafter_info_from_pb(m: pb.DrafterInfo) -> DrafterInfo:
                        model=m.model, max_model_len=m.max_model_len)
 
 
-def spec_request_to_pb(r: SpecRequest) -> pb.SpeculateRequest:
+def spec_request_to_pb(r: SpecRequest, shared: SharedBuffer | None = None
+                       ) -> pb.SpeculateRequest:
+    """shared: the connection's shared buffer, for hidden states placed in it."""
     m = pb.SpeculateRequest(step_id=r.step_id, released=r.released,
                             trace_context=r.trace_context)
     add = m.sequences.add        # built in place: no per-sequence message copy
@@ -40,7 +43,7 @@ def spec_request_to_pb(r: SpecRequest) -> pb.SpeculateRequest:
                 full=u.full, accepted_nodes=u.accepted_nodes,
                 accepted_step_id=u.accepted_step_id)
         if u.hidden is not None:
-            s.hidden_states.CopyFrom(codec.encode(u.hidden))
+            s.hidden_states.CopyFrom(codec.encode(u.hidden, shared))
         if u.sampling is not None:
             p = u.sampling
             s.sampling.CopyFrom(pb.SamplingParams(temperature=p.temperature, top_k=p.top_k,
@@ -49,12 +52,13 @@ def spec_request_to_pb(r: SpecRequest) -> pb.SpeculateRequest:
     return m
 
 
-def spec_request_from_pb(m: pb.SpeculateRequest) -> SpecRequest:
+def spec_request_from_pb(m: pb.SpeculateRequest, shared: SharedBuffer | None = None
+                         ) -> SpecRequest:
     seqs = [SeqUpdate(seq_id=u.seq_id, committed_len=u.committed_len,
                       new_tokens=list(u.new_tokens), full=u.full,
                       accepted_nodes=list(u.accepted_nodes),
                       accepted_step_id=u.accepted_step_id,
-                      hidden=codec.decode(u.hidden_states)
+                      hidden=codec.decode(u.hidden_states, shared=shared)
                       if u.HasField("hidden_states") else None,
                       sampling=_sampling(u.sampling) if u.HasField("sampling") else None,
                       rejection=u.rejection_sampling)

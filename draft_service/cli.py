@@ -13,11 +13,14 @@ SERVER = "draft_service.server"
 def add_arguments(d: argparse.ArgumentParser) -> None:
     from draft_service.registry import PROPOSERS
     d.add_argument("--method", required=True, choices=list(PROPOSERS))
-    d.add_argument("--model", help="draft checkpoint dir or shipped name (model, eagle3)")
+    d.add_argument("--model", help="draft checkpoint dir or shipped name (model, eagle3, "
+                   "dflash)")
     d.add_argument("--target-embeddings", metavar="PATH",
                    help="eagle3 head without embed_tokens: the target's checkpoint dir or a "
-                   "safetensors file holding model.embed_tokens.weight")
-    d.add_argument("--envelope", help="tree preset: chain4 (default), tree-small, tree-wide")
+                   "safetensors file holding model.embed_tokens.weight; dflash: the "
+                   "target's checkpoint dir (its embedding and LM head)")
+    d.add_argument("--envelope", help="tree preset: chain4 (default; dflash: its block, "
+                   "block8 or block16), tree-small, tree-wide")
     d.add_argument("--depth", type=int, help="custom envelope: longest path, in nodes")
     d.add_argument("--topk", type=int, help="custom envelope: children per expanded node")
     d.add_argument("--nodes", type=int, help="custom envelope: nodes per tree")
@@ -49,6 +52,14 @@ def config(args: argparse.Namespace):
     check_model(args.model)
     try:
         env = envelope_from(args.envelope, args.depth, args.topk, args.nodes)
+        if args.method == "dflash" and args.model:
+            from draft_service.dflash_head import checked_source
+            spec, _ = checked_source(resolve_model(args.model), args.target_embeddings)
+            if args.envelope is None and args.depth is None:
+                env = block_envelope(spec.block_size)
+            if env.depth > spec.block_size - 1:
+                raise ValueError(f"envelope {env.name} is {env.depth} deep; this DFlash "
+                                 f"block of {spec.block_size} drafts {spec.block_size - 1}")
         cfg = DraftConfig(method=args.method, envelope=env, model=args.model,
                           **given(args, RUNTIME + ("ngram_max", "ngram_min", "max_sequences",
                                                    "target_embeddings", "local_socket",
@@ -60,6 +71,14 @@ def config(args: argparse.Namespace):
         return cfg
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def block_envelope(block_size: int):
+    """A DFlash drafter's default envelope: the chain its block drafts."""
+    from common.tree import PRESETS, TreeEnvelope
+    name = f"block{block_size}"
+    return PRESETS.get(name) or TreeEnvelope(depth=block_size - 1, topk=1,
+                                             num_nodes=block_size - 1, name=name)
 
 
 def run(args: argparse.Namespace) -> int:

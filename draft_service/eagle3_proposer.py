@@ -1,14 +1,8 @@
 """The ``eagle3`` method: an EAGLE-3 head drafts trees from the target's own features.
 
-Alignment. With committed tokens ``s_0 .. s_n`` and target features ``f_t`` (the
-named layers' states at token ``s_t``, i.e. the state that predicted ``s_{t+1}``),
-the head's KV slot / position ``t`` holds the *committed pair* ``(s_{t+1}, f_t)``,
-t = 0 .. n-1. The verify service sends, with each new token ``s_j``, the row
-``f_{j-1}`` (a full update's row 0 belongs to ``s_0``, which has no pair), so every
-committed token completes its pair on arrival.
-
-A KVDrafter (draft_service/kv_drafter.py) whose units are committed pairs. One
-step, batched over sequences (one head forward each):
+A FeatureDrafter (draft_service/feature_drafter.py: unit t is the committed pair
+``(s_{t+1}, f_t)`` at position t). One step, batched over sequences (one head
+forward each):
 
 1. *catch up*: a chain chunk of the committed pairs without KV (at least the last,
    ``(s_n, f_{n-1})`` at position n-1, which is recomputed for its output); its
@@ -26,28 +20,21 @@ catch-up (accepted_nodes are not needed). Example, chain, committed ``a b r``:
 pairs (b, f_a) at 0, (r, f_b) at 1; the tree ``x y`` is scratch at 2, 3. The target
 accepts ``x`` and adds bonus ``z``; the update brings ``x`` with f_r and ``z`` with
 f_x, so the catch-up chunk is ``(x, f_r), (z, f_x)`` at 2, 3.
-
-Every committed pair's feature row stays on the device (a RowBuffer), so a
-sequence whose KV was dropped for pages recomputes it like the draft model does.
-A missing hidden tensor counts as zero features (worse drafts, the same output).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 
-from common.errors import InvalidRequest
 from common.forward_batch import build_forward_batch, chain_chunk
 from common.model_paths import resolve_model
-from common.row_buffer import RowBuffer
 from common.tree import TreeEnvelope
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.eagle3_step import eagle3_step
-from draft_service.kv_drafter import DraftSeq, KVDrafter
+from draft_service.feature_drafter import FeatureDrafter, FeatureSeq
 from draft_service.model_step import level_depths
 from kernels.dispatch import select
 
@@ -55,12 +42,7 @@ if TYPE_CHECKING:
     from draft_service.config import DraftConfig
 
 
-@dataclass
-class _Seq(DraftSeq):
-    feats: RowBuffer | None = None          # [pairs, C]: feats.rows[t] = f_t of pair t
-
-
-class Eagle3Proposer(KVDrafter):
+class Eagle3Proposer(FeatureDrafter):
     name = "eagle3"
 
     def __init__(self, head: Eagle3Head, env: TreeEnvelope, ops: ModuleType,
@@ -70,7 +52,8 @@ class Eagle3Proposer(KVDrafter):
                              f"({head.spec.draft_vocab_size})")
         self.head = head
         self.vocab_size = head.spec.vocab_size
-        self.target_hidden_layers: tuple[int, ...] = head.spec.aux_layer_ids
+        self.feature_size = head.spec.feature_size
+        self.target_hidden_layers = head.spec.aux_layer_ids
         self._depths = level_depths(env, head.device)
         super().__init__(head.new_cache(num_blocks, block_size), env, ops, model_name,
                          [((head.spec.feature_size,), head.dtype)])
@@ -82,36 +65,8 @@ class Eagle3Proposer(KVDrafter):
         return cls(head, cfg.envelope, select(device, cfg.kernels), cfg.num_blocks,
                    cfg.block_size, model_name=cfg.model)
 
-    def _new(self) -> _Seq:
-        return _Seq()
-
-    def update(self, seq_id: int, tokens: list[int], new_count: int,
-               accepted_nodes: list[int], hidden: torch.Tensor | None) -> None:
-        c = self.head.spec.feature_size
-        if hidden is None:
-            hidden = torch.zeros(new_count, c)
-        elif hidden.dim() != 2 or hidden.shape != (new_count, c):
-            raise InvalidRequest(
-                f"seq {seq_id}: hidden states of shape {tuple(hidden.shape)}, the EAGLE-3 "
-                f"head needs [{new_count}, {c}] (layers {list(self.target_hidden_layers)} of "
-                "the target it was trained for)")
-        st = self.state(seq_id)
-        rows = hidden.to(self.head.device, self.head.dtype, non_blocking=True)
-        if new_count == len(tokens):          # from nothing: s_0 has no pair
-            self.cache.release(st.pages)
-            st.feats = RowBuffer(rows[1:])
-        else:
-            st.feats.append(rows)
-        st.tokens = tokens
-
     # ------------------------------------------------------------ KVDrafter hooks
-    def _units(self, st: _Seq) -> int:
-        return len(st.tokens) - 1
-
-    def _inputs(self, st: _Seq, lo: int, hi: int) -> tuple[list[int], list[torch.Tensor]]:
-        return st.tokens[lo + 1:hi + 1], [st.feats.rows[lo:hi]]
-
-    def _prefill(self, rows: list[tuple[_Seq, int, int]]) -> None:
+    def _prefill(self, rows: list[tuple[FeatureSeq, int, int]]) -> None:
         fb = build_forward_batch([chain_chunk(st.pages, st.tokens[lo + 1:hi + 1])
                                   for st, lo, hi in rows], self.cache)
         feats = torch.cat([st.feats.rows[lo:hi] for st, lo, hi in rows])

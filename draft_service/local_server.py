@@ -3,8 +3,10 @@
 Same messages, same servicer (``DrafterServicer.answer``), same step-id rule and
 the same errors as the gRPC stream (``common.grpc_server.status_for``); only the
 carrier differs (common/frames.py says why). Each connection is one stream: a
-hello frame with the draft's instance id, then one Proposal per SpeculateRequest,
-in order. A malformed message ends the connection with an ERROR frame.
+hello frame with the draft's instance id (and, for a drafter that reads target
+hidden states, the connection's shared buffer: common/shared_buffer.py), then one
+Proposal per SpeculateRequest, in order. A malformed message ends the connection
+with an ERROR frame.
 
 Only processes of this service's own user (or of the uids in ``allowed_uids``) may
 connect: the kernel says who the peer is (SO_PEERCRED), and anyone else is closed
@@ -26,6 +28,7 @@ from google.protobuf.message import DecodeError
 from common import frames
 from common.errors import InvalidRequest
 from common.grpc_server import status_for
+from common.shared_buffer import SharedBuffer
 from draft_service.servicer import DrafterServicer, StepOrder
 from protos.treespec.v1 import treespec_pb2 as pb
 
@@ -84,17 +87,33 @@ class LocalServer:
             return
         task = asyncio.current_task()
         self._conns.add(task)
+        conn = _Connection(self.servicer, writer, self._shared_buffer())
         try:
-            writer.writelines(frames.pack(frames.HELLO, self.servicer.instance_id.encode()))
-            await self._stream(reader, writer)
+            hello = self.servicer.instance_id + (f"\n{conn.shared.path}" if conn.shared else "")
+            writer.writelines(frames.pack(frames.HELLO, hello.encode()))
+            await self._stream(reader, conn)
         except (ConnectionError, asyncio.CancelledError):
             pass                 # the verify service went away, or we are stopping
         finally:
             self._conns.discard(task)
             writer.close()
+            if conn.shared is not None:
+                conn.shared.unlink()
+                conn.shared.close()
 
-    async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = _Connection(self.servicer, writer)
+    def _shared_buffer(self) -> SharedBuffer | None:
+        """A new connection's buffer for target hidden states (None: not needed, or no
+        /dev/shm here: they travel in the messages)."""
+        if not self.servicer.engine.info.target_hidden_layers:
+            return None
+        try:
+            return SharedBuffer.create()
+        except OSError as e:
+            log.warning("no shared buffer for hidden states (%s): they travel in the "
+                        "messages", e)
+            return None
+
+    async def _stream(self, reader: asyncio.StreamReader, conn: _Connection) -> None:
         while True:
             try:
                 frame = await frames.read_frame(reader)
@@ -115,9 +134,11 @@ class LocalServer:
 class _Connection:
     """One verify service's stream: its step order and the answers it gets."""
 
-    def __init__(self, servicer: DrafterServicer, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, servicer: DrafterServicer, writer: asyncio.StreamWriter,
+                 shared: SharedBuffer | None) -> None:
         self.servicer = servicer
         self.writer = writer
+        self.shared = shared
         self.order = StepOrder()
         self.failed = False
 
@@ -128,7 +149,9 @@ class _Connection:
             except DecodeError as e:
                 raise InvalidRequest(f"undecodable SpeculateRequest: {e}") from e
             self.order.check(msg.step_id)
-            reply = (await self.servicer.answer(msg, received)).SerializeToString()
+            if self.shared is not None:
+                self.shared.unlink()          # the verify service has mapped it by now
+            reply = (await self.servicer.answer(msg, received, self.shared)).SerializeToString()
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception as e:  # noqa: BLE001 - mapped to an error frame, never swallowed

@@ -15,7 +15,8 @@ Calling convention, per speculative step:
    emitted for ``s`` last step (root to leaf, possibly empty); the engine passes
    them only when they refer to that tree. ``hidden`` is
    ``[new_count, layers * hidden]`` target states, only for proposers that name
-   ``target_hidden_layers``;
+   ``target_hidden_layers``, borrowed (it may be a view of the connection's shared
+   buffer, rewritten after the step: copy what is kept);
 3. ``propose(seq_ids, sampling)`` once for the batch: a ``TreeBatch`` with rows in
    ``seq_ids`` order (host tensors, the proposer's to give away). ``sampling`` is
    None when every row is greedy, else each row's RowSampling (None for a greedy

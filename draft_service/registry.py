@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from draft_service.dflash_proposer import DFlashProposer
 from draft_service.eagle3_proposer import Eagle3Proposer
 from draft_service.model_proposer import ModelProposer
 from draft_service.ngram import NgramProposer
@@ -16,6 +17,7 @@ PROPOSERS: dict[str, type[Proposer]] = {
     "ngram": NgramProposer,
     "model": ModelProposer,
     "eagle3": Eagle3Proposer,
+    "dflash": DFlashProposer,
 }
 
 

@@ -25,6 +25,7 @@ import grpc
 
 from common import frames, wire
 from common.errors import InvalidRequest
+from common.shared_buffer import SharedBuffer
 from draft_service.engine import DraftEngine
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
@@ -67,23 +68,26 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             order.check(msg.step_id)
             yield await self.answer(msg, received)
 
-    async def answer(self, msg: pb.SpeculateRequest, received_ns: int) -> pb.Proposal:
+    async def answer(self, msg: pb.SpeculateRequest, received_ns: int,
+                     shared: SharedBuffer | None = None) -> pb.Proposal:
         """One step of a Speculate stream, whichever carrier brought it (this gRPC
-        stream or draft_service.local_server's Unix socket), stamped with when its
-        request was read (received_ns) and when the answer leaves."""
+        stream or draft_service.local_server's Unix socket, with its shared buffer),
+        stamped with when its request was read (received_ns) and when the answer
+        leaves."""
         if not msg.sequences and not msg.released:      # a no-op (see the proto)
             reply = pb.Proposal(step_id=msg.step_id)
         elif self._inline:
-            reply = self._step(msg)
+            reply = self._step(msg, shared)
         else:
             reply = await asyncio.get_running_loop().run_in_executor(self._worker, self._step,
-                                                                     msg)
+                                                                     msg, shared)
         reply.received_unix_ns = received_ns
         reply.sent_unix_ns = time.time_ns()
         return reply
 
-    def _step(self, msg: pb.SpeculateRequest) -> pb.Proposal:
-        return wire.response_to_pb(self.engine.step(wire.spec_request_from_pb(msg)))
+    def _step(self, msg: pb.SpeculateRequest, shared: SharedBuffer | None = None
+              ) -> pb.Proposal:
+        return wire.response_to_pb(self.engine.step(wire.spec_request_from_pb(msg, shared)))
 
     def close(self) -> None:
         """Stop the worker thread (after the server has stopped)."""

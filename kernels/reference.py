@@ -11,9 +11,11 @@ Layout shared by all kernels (the Triton ones in this package take the same):
   concatenated: ``q [total_q, q_heads, head_dim]`` with offsets ``cu_q [B + 1]``.
 * The chunk's own structure comes from ``chunk_parents [total_q]``: for each query,
   the chunk-local index of its parent, -1 for none (it sees only the context and
-  itself), -2 for padding. Prefill is a chain (parent = i - 1); a tree verify is
-  [root, nodes] with root -1 and node i -> parent + 1 (or 0 for the root).
-  A query attends to every context slot and to its chunk ancestors and itself.
+  itself), -2 for padding, -3 (``BLOCK``) for a block query, which sees every
+  non-padding query of its chunk (a DFlash block: non-causal). Prefill is a chain
+  (parent = i - 1); a tree verify is [root, nodes] with root -1 and node i ->
+  parent + 1 (or 0 for the root). A query attends to every context slot and to its
+  chunk ancestors and itself.
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ import torch
 
 from common.tree import PAD
 
+BLOCK = -3          # a chunk parent: the query sees its whole chunk (padding aside)
+
 
 def chunk_mask(chunk_parents: torch.Tensor) -> torch.Tensor:
     """Ancestor-or-self mask of one chunk: [T] parents -> [T, T] bool.
 
     mask[i, j] is True when j is i or an ancestor of i. Padding rows see only
-    themselves (so softmax stays finite) and nobody sees padding. A chain (prefill)
-    is the causal mask; a tree walks every node's ancestors up, one level a round.
+    themselves (so softmax stays finite) and nobody sees padding; a BLOCK row sees
+    every row. A chain (prefill) is the causal mask; a tree walks every node's
+    ancestors up, one level a round.
     """
     t = chunk_parents.shape[0]
     dev = chunk_parents.device
@@ -45,6 +50,7 @@ def chunk_mask(chunk_parents: torch.Tensor) -> torch.Tensor:
         up = torch.full_like(hop, -1)
         up[live] = parent[hop[live]].clamp(min=-1)
         hop = up
+    mask[parent == BLOCK] = True
     pad = parent == PAD
     mask[:, pad] = False
     mask[pad] = eye[pad]

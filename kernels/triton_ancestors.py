@@ -17,7 +17,8 @@ from kernels.triton_common import (INDEX_DTYPES, check_devices, check_dtype, che
 def _tree_ancestors_kernel(par_ptr, out_ptr, t_len, W: tl.constexpr, BLOCK_W: tl.constexpr,
                            BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """One program per (chunk, BLOCK_R queries): walk each query's parents up once,
-    setting bit (a % 64) of word (a // 64) for every non-padding ancestor a."""
+    setting bit (a % 64) of word (a // 64) for every non-padding ancestor a (for a
+    BLOCK row, every other non-padding query)."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -28,6 +29,13 @@ def _tree_ancestors_kernel(par_ptr, out_ptr, t_len, W: tl.constexpr, BLOCK_W: tl
     words = tl.full([BLOCK_R, BLOCK_W], 0, dtype=tl.int64)
     one = tl.full([BLOCK_R], 1, dtype=tl.int64)
     steps = t_len * 0
+    block = p == -3                        # a BLOCK row: every other non-padding query
+    if vmax(block.to(tl.int32), 0) > 0:
+        for j in range(0, t_len):
+            pj = tl.load(par_chunk + j)
+            hit = block & (pj != -2) & (r != j)
+            bit = tl.where(hit, one << (j % 64), 0)
+            words = words | tl.where(w[None, :] == j // 64, bit[:, None], 0)
     while (vmax(p, 0) >= 0) & (steps < t_len):
         up = p >= 0
         pp = tl.load(par_chunk + p, mask=up, other=-1)

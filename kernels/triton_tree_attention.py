@@ -22,7 +22,7 @@ Design
   become an int64 bitmask, and key j is visible to row i iff j == i or bit
   (j - window) is set. The bits come from ``ancestors`` (kernels/triton_ancestors.py,
   one small kernel per forward for fixed-shape trees) when given, else by walking
-  parents up in every program (depth dependent loads per window and layer).
+  parents up in every program. A BLOCK row (DFlash) sees every non-padding key.
 * Online softmax in base 2 with fp32 statistics and accumulator; scores for fp32
   inputs use IEEE dot products (no TF32).
 * Split-K: with few programs (small batch, decode) the work is cut into NUM_SPLITS
@@ -188,6 +188,8 @@ def _tree_attention_kernel(
                 shift = (jc - n0).to(tl.int64)
                 visible = ((bits[:, None] >> shift[None, :]) & 1) != 0
                 visible = visible | (jc[None, :] == tok[:, None])
+                kp = tl.load(par_chunk + jc, mask=j_ok, other=-2)
+                visible = visible | ((row_parent == -3)[:, None] & (kp != -2)[None, :])
             visible = visible & j_ok[None, :] & row_ok[:, None]
             m_i, l_i, acc = _online_update(q, k, v, visible, m_i, l_i, acc, qk_scale, PREC, DOT_F32)
 
@@ -324,7 +326,6 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         l_ws = torch.empty_like(m_ws)
     else:
         acc_ws = m_ws = l_ws = out
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
     _tree_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, cu_q, chunk_parents,
         chunk_parents if ancestors is None else ancestors,
@@ -335,8 +336,7 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BT=bt, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK_N=min(block_n, 64), D=d, BS=bs,
         BLOCK_B=max(64, next_pow2(nseq)), NUM_SPLITS=splits, MIN_SPLIT=MIN_SPLIT_KEYS,
-        HAS_ANC=ancestors is not None,
-        PREC=prec,
+        HAS_ANC=ancestors is not None, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=interpreted(_tree_attention_kernel) and q.dtype == torch.bfloat16,
         num_warps=warps, **launch_options(_tree_attention_kernel, q.device))
     if splits > 1:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from common import codec, wire
+from common.shared_buffer import SHM_DIR, SharedBuffer
 from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
 from common.tree import PRESETS, TreeBatch, TreeEnvelope
 from protos.treespec.v1 import treespec_pb2 as pb
@@ -149,3 +152,33 @@ def test_drafter_info_defaults_round_trip():
     info = DrafterInfo(envelope=PRESETS["chain4"], vocab_size=96, proposer="ngram")
     out = wire.drafter_info_from_pb(pb_trip(wire.drafter_info_to_pb(info)))
     assert out == info and out.target_hidden_layers == () and out.model == ""
+
+
+@pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm here")
+def test_hidden_states_cross_in_the_shared_buffer_as_offsets():
+    """The same-host carrier: the verify places a step's states in the draft's buffer
+    and sends offsets; the draft reads the same values from its own mapping. A
+    shared tensor on a connection without a buffer, or outside it, is refused."""
+    draft_side = SharedBuffer.create(1 << 16)
+    verify_side = SharedBuffer.attach(draft_side.path, pin=False)
+    try:
+        rows = torch.randn(7, 24).to(torch.bfloat16)
+        a, b = verify_side.place(rows).split([3, 4])
+        req = SpecRequest(5, [SeqUpdate(1, 3, [1, 2, 3], full=True, hidden=a),
+                              SeqUpdate(2, 9, [4, 5, 6, 7], hidden=b)])
+        msg = pb_trip(wire.spec_request_to_pb(req, verify_side))
+        assert [u.hidden_states.shared_offset for u in msg.sequences] == [0, 3 * 24 * 2]
+        assert all(not u.hidden_states.data for u in msg.sequences)
+        got = wire.spec_request_from_pb(msg, draft_side)
+        assert torch.equal(torch.cat([u.hidden for u in got.seqs]), rows)
+        assert torch.equal(codec.decode(codec.encode(rows)), rows)   # elsewhere: bytes
+        with pytest.raises(codec.CodecError, match="without one"):
+            wire.spec_request_from_pb(msg)
+        far = pb.Tensor(dtype="bfloat16", shape=[2, 24], shared_offset=(1 << 16) - 32)
+        with pytest.raises(codec.CodecError, match="outside"):
+            codec.decode(far, shared=draft_side)
+    finally:
+        draft_side.unlink()
+        verify_side.close()
+        draft_side.close()
+    assert not os.path.exists(draft_side.path)

@@ -8,6 +8,7 @@ head reads the target's hidden states."""
 from __future__ import annotations
 
 import asyncio
+import os
 import json
 from pathlib import Path
 
@@ -249,11 +250,15 @@ PROMPTS = [[1, 5, 9, 13, 2, 7, 1, 5, 9, 13], [3, 4, 5, 6], [10, 20, 30, 40, 50, 
 MAX_TOKENS = 20
 
 
-async def _generate(target, head, envelope):
-    """Outputs, whether the verify KV came back, and every update the proposer saw."""
+async def _generate(target, head, envelope, draft_socket="auto"):
+    """Outputs, whether the verify KV came back, and every update the proposer saw.
+    On the local socket (draft_socket auto) hidden states cross in the connection's
+    shared buffer, over gRPC in the messages."""
     seen: list[tuple[list[int], int, torch.Tensor | None]] = []
-    async with services(target, "eagle3", head, envelope) as h:
+    async with services(target, "eagle3", head, envelope, draft_socket=draft_socket) as h:
         assert h["engine"].link.info.target_hidden_layers == tuple(AUX)
+        shared = h["engine"].link.sync.shared
+        assert (shared is not None) == (draft_socket == "auto")
         prop = h["draft_engine"].proposer
         update = prop.update
 
@@ -264,6 +269,8 @@ async def _generate(target, head, envelope):
         async with AsyncTreespecClient(h["addr"]) as c:
             outs = [await c.generate(prompt_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True)
                     for p in PROMPTS]
+        if shared is not None:         # unlinked once the first request came
+            assert not os.path.exists(shared.path)
         return outs, h["engine"].kv_pages_used == 0, seen
 
 
@@ -284,9 +291,10 @@ def _check_rows(target_dir, seen) -> None:
         torch.testing.assert_close(hidden.float(), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("envelope", ["chain4", "tree-small"])
-def test_speculative_greedy_equals_plain_greedy(target_dir, head_dir, envelope):
-    outs, all_free, seen = asyncio.run(_generate(target_dir, head_dir, envelope))
+@pytest.mark.parametrize("envelope, draft_socket", [("chain4", "auto"), ("tree-small", "auto"),
+                                                    ("chain4", "off")])
+def test_speculative_greedy_equals_plain_greedy(target_dir, head_dir, envelope, draft_socket):
+    outs, all_free, seen = asyncio.run(_generate(target_dir, head_dir, envelope, draft_socket))
     for p, out in zip(PROMPTS, outs):
         assert out.token_ids == greedy_reference(target_dir, p, MAX_TOKENS)
         assert out.stats["draft_tokens"] > 0 and out.stats["fallback_steps"] == 0

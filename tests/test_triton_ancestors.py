@@ -57,3 +57,37 @@ def test_attention_with_precomputed_ancestors(block_n):
     want = ref.paged_tree_attention(q, kc, vc, table, ctx, cu, par, 0.3, anc)
     torch.testing.assert_close(out, walked, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+def _blocks(b: int, t: int) -> torch.Tensor:
+    """[B, T] chunk parents of DFlash blocks (every query BLOCK), one with a padded tail."""
+    rows = [[ref.BLOCK] * t for _ in range(b)]
+    rows[-1][t - 2:] = [-2, -2]
+    return i32(rows)
+
+
+@pytest.mark.parametrize("b, t", [(3, 9), (2, 70)])
+def test_block_queries_see_their_whole_block(b, t):
+    """BLOCK rows (a DFlash block, non-causal): the ancestor words hold every other
+    non-padding query, Triton's attention (words given or not) equals the
+    reference's, and that is softmax attention over the context and the whole block."""
+    g = torch.Generator().manual_seed(5)
+    par2 = _blocks(b, t)
+    got = anc_mod.tree_ancestors(par2)
+    assert torch.equal(got, ref.tree_ancestors(par2))
+    nb, table, ctx, cu, par = build_batch(par2.tolist(), [5, 0, 3][:b], 4, 1, g)
+    kc, vc = paged(nb, 4, 1, 16)
+    q = torch.randn(int(cu[-1]), 2, 16, generator=g).to(DEV)
+    want = ref.paged_tree_attention(q, kc, vc, table, ctx, cu, par, 0.3)
+    for anc in (got, None):
+        out = attn_mod.paged_tree_attention(q, kc, vc, table, ctx, cu, par, 0.3, anc,
+                                            block_m=32, block_n=16, num_splits=2)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    s = 0                      # the first chunk by hand: every key of context and block
+    n = int(ctx[s]) + t
+    slots = [int(table[s, j // 4]) * 4 + j % 4 for j in range(n)]
+    k, v = kc.view(-1, 1, 16)[slots, 0], vc.view(-1, 1, 16)[slots, 0]
+    for i in range(t):
+        for h in range(2):
+            w = torch.softmax(q[i, h] @ k.T * 0.3, -1)
+            torch.testing.assert_close(want[i, h], w @ v, atol=1e-5, rtol=1e-5)

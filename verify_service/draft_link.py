@@ -20,11 +20,13 @@ import logging
 import time
 
 import grpc
+import torch
 
 from common import codec, frames, wire
 from common.aio import cancel_and_wait, spin_until
 from common.grpc_server import MESSAGE_LIMITS
 from common.auth import metadata
+from common.shared_buffer import SharedBuffer
 from common.spec_types import DrafterInfo
 from common.tls import ClientTLS, channel
 from common.tree import TreeBatch
@@ -97,7 +99,7 @@ class DraftLink:
         out = self.sync.request([], False, {})
         self._outstanding = out.request.step_id
         try:
-            await self._call.write(wire.spec_request_to_pb(out.request))
+            await self._call.write(wire.spec_request_to_pb(out.request, self.sync.shared))
         except Exception as e:  # noqa: BLE001 - the connect loop sees the broken link
             log.debug("release notice not sent: %s", e)
         self.sync.sent([], out)
@@ -106,6 +108,7 @@ class DraftLink:
         call, channel = self._call, self._channel
         self._call = self._channel = None
         self.carrier = ""
+        self.sync.use_shared(None)
         self._outstanding = None
         if self._waiter is not None:
             _settle(self._waiter, _DROPPED)
@@ -152,10 +155,11 @@ class DraftLink:
         self._info = info
         self._call = await self._open_local(info_pb) or stub.Speculate(metadata=self._md)
         self.carrier = "unix socket" if isinstance(self._call, frames.FrameStream) else "grpc"
-        self.sync.reset()
+        self.sync.reset(self._attach_shared(info))
         self._down = None
-        log.info("draft %s connected: %s, envelope %s, steps by %s", self.addr, info.proposer,
-                 info.envelope, self.carrier)
+        log.info("draft %s connected: %s, envelope %s, steps by %s%s", self.addr,
+                 info.proposer, info.envelope, self.carrier,
+                 ", hidden states through shared memory" if self.sync.shared else "")
         async for msg in self._call:
             self._deliver(msg)
         raise RuntimeError("draft closed the Speculate stream")
@@ -171,13 +175,25 @@ class DraftLink:
             log.info("draft's local socket %s not usable here (%s)", info.local_socket, e)
             return None
 
+    def _attach_shared(self, info: DrafterInfo) -> SharedBuffer | None:
+        """The shared buffer the draft named in its hello, when it reads hidden states."""
+        path = getattr(self._call, "shared_path", None)
+        if not (path and info.target_hidden_layers):
+            return None
+        try:
+            return SharedBuffer.attach(path, pin=torch.cuda.is_available())
+        except OSError as e:
+            log.info("draft's shared buffer %s not usable here (%s): hidden states travel "
+                     "in the messages", path, e)
+            return None
+
     async def _send_only(self, seqs: list[Sequence], out: Outgoing) -> Drafted:
         """A request whose every row is still being synced (its trees would go unused):
         sent without waiting, so the step decodes plain while the draft takes in the
         hidden states (the answer only frees the draft for the next request)."""
         self._outstanding = out.request.step_id
         try:
-            await self._call.write(wire.spec_request_to_pb(out.request))
+            await self._call.write(wire.spec_request_to_pb(out.request, self.sync.shared))
         except Exception as e:
             log.warning("draft write failed: %s", e)
             self._outstanding = None
@@ -215,7 +231,7 @@ class DraftLink:
         self._outstanding = step
         timer = loop.call_later(self.deadline_s, _settle, waiter, _EXPIRED)
         try:
-            msg_out = wire.spec_request_to_pb(out.request)
+            msg_out = wire.spec_request_to_pb(out.request, self.sync.shared)
             t_sent = time.time_ns()
             await self._call.write(msg_out)
             if self.busy_poll:

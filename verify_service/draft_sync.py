@@ -18,7 +18,9 @@ Target hidden states, for a drafter that reads them (EAGLE-3), travel once per
 committed token: an update's row i is the state at the token *before*
 new_tokens[i] (the state that predicted it; a full update's row 0 has none and is
 zeros), taken from the sequence's captured states on the device; all rows of a step
-leave the GPU together, one copy through a pinned buffer.
+leave the GPU together, one copy through a pinned buffer, or on the same-host carrier
+straight into the connection's shared buffer (common/shared_buffer.py), whose
+request then carries only where they lie.
 """
 
 from __future__ import annotations
@@ -29,16 +31,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.codec import Staging
+from common.shared_buffer import SharedBuffer
 from common.spec_types import SeqUpdate, SpecRequest
 
 if TYPE_CHECKING:
     from verify_service.sequence import Sequence
 
 
-# target hidden states one request carries at most: a new sequence's prompt (24 KB a
-# token at the Qwen3-8B EAGLE-3 shape) is sent over as many steps as it takes. The
-# bound keeps a step's answer inside the deadline: at 32 MB (encode, socket, decode:
-# ~100 ms) every syncing step missed it on the H200 and the steps after it ran plain
+# target hidden states one request carries at most in its message (a shared buffer
+# bounds them by its size): a new sequence's prompt (24 KB a token at the Qwen3-8B
+# EAGLE-3 shape) is sent over as many steps as it takes. The bound keeps a step's
+# answer inside the deadline: at 32 MB (encode, socket, decode: ~100 ms) every
+# syncing step missed it on the H200 and the steps after it ran plain
 MAX_HIDDEN_BYTES = 8 << 20
 
 
@@ -61,27 +65,38 @@ class Outgoing:
 
 
 class DraftSync:
-    def __init__(self, max_hidden_bytes: int = MAX_HIDDEN_BYTES, rejection: bool = False
+    def __init__(self, max_hidden_bytes: int | None = None, rejection: bool = False
                  ) -> None:
         self.rejection = rejection          # sampled nodes are accepted by rejection sampling
         self.epoch = 0                      # draft connections so far
         self.step_id = 0                    # the last request's step id
-        self.max_hidden_bytes = max_hidden_bytes
+        self.max_hidden_bytes = max_hidden_bytes      # None: MAX_HIDDEN_BYTES in messages,
+        self.shared: SharedBuffer | None = None       # the shared buffer's size in it
         self._cursors: dict[int, _Cursor] = {}
         self._released: list[int] = []
         self._staging = Staging()
 
-    def reset(self) -> None:
-        """A new draft connection: it knows no sequence."""
+    def reset(self, shared: SharedBuffer | None = None) -> None:
+        """A new draft connection (with its shared buffer, if any): it knows no sequence."""
         self.epoch += 1
         self._cursors.clear()
         self._released = []
+        self.use_shared(shared)
+
+    def use_shared(self, shared: SharedBuffer | None) -> None:
+        if self.shared is not None:
+            self.shared.close()
+        self.shared = shared
+
+    def _budget(self) -> int:
+        room = MAX_HIDDEN_BYTES if self.shared is None else self.shared.nbytes
+        return room if self.max_hidden_bytes is None else min(room, self.max_hidden_bytes)
 
     def request(self, seqs: list[Sequence], hidden: bool, trace: dict[str, str]) -> Outgoing:
         """The next step's request for seqs; hidden: send target hidden states, at most
         max_hidden_bytes of them (the rest of a sequence's follow in later steps)."""
         self.step_id += 1
-        budget = self.max_hidden_bytes
+        budget = full = self._budget()
         out = Outgoing(SpecRequest(self.step_id, [], self._released, trace_context=trace),
                        [], [], [])
         parts: list[torch.Tensor] = []
@@ -107,9 +122,10 @@ class DraftSync:
                 sampling=s.sampling if sent == 0 and not s.sampling.greedy else None,
                 rejection=self.rejection))
         if parts:
-            for u, r in zip(out.request.seqs, to_host(parts, self._staging)):
+            place = self._staging.host_copy if self.shared is None else self.shared.place
+            for u, r in zip(out.request.seqs, to_host(parts, place)):
                 u.hidden = r
-            out.hidden_bytes = self.max_hidden_bytes - budget
+            out.hidden_bytes = full - budget
         return out
 
     def sent(self, seqs: list[Sequence], out: Outgoing) -> None:
@@ -143,10 +159,10 @@ def update_rows(seq: Sequence, sent: int, end: int) -> torch.Tensor:
     return hidden[sent - 1:end - 1]
 
 
-def to_host(parts: list[torch.Tensor], staging: Staging) -> list[torch.Tensor]:
-    """The same tensors on the host through one device-to-host copy (valid until
-    staging's next copy)."""
-    host = staging.host_copy(torch.cat(parts))
+def to_host(parts: list[torch.Tensor], place) -> list[torch.Tensor]:
+    """The same tensors on the host through one device-to-host copy, place (valid
+    until its next copy)."""
+    host = place(torch.cat(parts))
     offsets = [0]
     for p in parts:
         offsets.append(offsets[-1] + p.shape[0])

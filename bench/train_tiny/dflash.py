@@ -1,0 +1,140 @@
+"""DFlash block drafter for a Qwen3 target: the module, its exact dense forward (the
+oracle of tests/test_dflash.py), training on the target's own hidden states, and
+z-lab's checkpoint layout (`DFlashDraftModel`), which draft_service/dflash_head.py
+serves.
+
+Context features. ``dflash_config.target_layer_ids`` [L_1 .. L_m] name transformers'
+``hidden_states[L + 1]``: the residual stream entering target layer L + 1 (=
+common.qwen3 capture index L + 1). For the committed token at position p the feature
+is f_p = concat(h_{L_1 + 1}[p], ..) [m H].
+
+One block after committed s_0 .. s_n (features f_0 .. f_{n-1}; s_n the root, whose
+features are not known yet), tokens x = [s_n, mask x (B - 1)] at positions n .. n+B-1:
+
+    c      = rms(fc(f), hidden_norm)                                      [n, H]
+    x      = embed_tokens(x)  (the target's)                              [B, H]
+    layer  : h = rms(x, input_layernorm)
+             q = rope(q_norm(q_proj(h)), block positions)
+             k = rope(k_norm(k_proj([c; h])), [0 .. n-1; block positions]); v = v_proj([c; h])
+             x = x + o_proj(softmax(q kᵀ / sqrt(d)) v)      over all n + B keys, no mask
+             x = x + down(silu(gate(rms(x, post))) * up(rms(x, post)))
+    logits = lm_head(rms(x, norm))  (the target's) at block positions 1 .. B-1: the
+             marginals of the tokens at n + 1 .. n + B - 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from bench.train_tiny.eagle3 import RMSNorm, _MLP
+from common.qwen3 import rope_inv_freq
+from common.model_config import Qwen3Spec
+from kernels.reference import rope, rope_cos_sin
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float
+                 ) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+
+class _Layer(nn.Module):
+    def __init__(self, s: Qwen3Spec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.self_attn = _Attention(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim,
+                                    s.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.mlp = _MLP(s.hidden_size, s.intermediate_size)
+
+
+class DFlashDrafter(nn.Module):
+    """Parameters named as z-lab's checkpoints name them; embedding and LM head are
+    the target's, passed to forward."""
+
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.cfg = cfg
+        s = self.spec = Qwen3Spec.from_dict(cfg)
+        self.block_size = cfg["block_size"]
+        self.mask_token_id = cfg["dflash_config"]["mask_token_id"]
+        self.layer_ids = cfg["dflash_config"]["target_layer_ids"]
+        self.layers = nn.ModuleList(_Layer(s) for _ in range(s.num_layers))
+        self.fc = nn.Linear(len(self.layer_ids) * s.hidden_size, s.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(s, torch.device("cpu")),
+                             persistent=False)
+
+    def forward(self, feats: torch.Tensor, ctx_len: torch.Tensor, block: torch.Tensor,
+                embed: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """feats [R, n, m H] context features (row r's first ctx_len[r] real), block [R, S]
+        token ids at positions ctx_len[r] .. + S - 1, embed / lm_head [V, H] the target's
+        -> logits [R, S, V] (position 0's is unused)."""
+        s = self.spec
+        r, n, _ = feats.shape
+        sl = block.shape[1]
+        d, hq, hkv = s.head_dim, s.num_heads, s.num_kv_heads
+        c = self.hidden_norm(self.fc(feats))                                   # [R, n, H]
+        x = embed[block]                                                       # [R, S, H]
+        ctx_pos = torch.arange(n).expand(r, n)
+        blk_pos = ctx_len.unsqueeze(1) + torch.arange(sl)
+        keys_ok = torch.cat([ctx_pos < ctx_len.unsqueeze(1), torch.ones(r, sl, dtype=torch.bool)], 1)
+        pos = torch.cat([ctx_pos, blk_pos], 1)                                 # [R, n + S]
+        cos, sin = rope_cos_sin(pos.reshape(-1), self.inv_freq)
+
+        def rot(t: torch.Tensor, at: slice) -> torch.Tensor:                   # [R, T, h, d]
+            rt, tt, hh, _ = t.shape
+            cs = cos.view(r, n + sl, -1)[:, at].reshape(rt * tt, -1)
+            sn = sin.view(r, n + sl, -1)[:, at].reshape(rt * tt, -1)
+            return rope(t.reshape(rt * tt, hh, d), cs, sn).view(rt, tt, hh, d)
+
+        for layer in self.layers:
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = rot(a.q_norm(a.q_proj(h).view(r, sl, hq, d)), slice(n, None))
+            kv_in = torch.cat([c, h], 1)
+            k = rot(a.k_norm(a.k_proj(kv_in).view(r, n + sl, hkv, d)), slice(None))
+            v = a.v_proj(kv_in).view(r, n + sl, hkv, d)
+            k, v = (t.repeat_interleave(hq // hkv, 2).transpose(1, 2) for t in (k, v))
+            w = torch.einsum("rhqd,rhkd->rhqk", q.transpose(1, 2).float(), k.float()) * d ** -0.5
+            w = w.masked_fill(~keys_ok[:, None, None, :], float("-inf")).softmax(-1)
+            o = torch.einsum("rhqk,rhkd->rhqd", w, v.float()).to(x.dtype)
+            x = x + a.o_proj(o.transpose(1, 2).reshape(r, sl, hq * d))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x) @ lm_head.T
+
+
+def drafter_config(target_cfg: dict, layers: int, block_size: int, mask_token_id: int,
+                   layer_ids: list[int], intermediate: int | None = None) -> dict:
+    """A DFlash config.json for a Qwen3 target's config dict (the target's attention
+    shape and vocabulary, `layers` draft layers)."""
+    keep = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings")
+    cfg = {k: target_cfg[k] for k in keep if k in target_cfg}
+    cfg.update(architectures=["DFlashDraftModel"], model_type="qwen3",
+               num_hidden_layers=layers,
+               intermediate_size=intermediate or target_cfg["intermediate_size"],
+               num_target_layers=target_cfg["num_hidden_layers"], block_size=block_size,
+               dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": layer_ids},
+               tie_word_embeddings=False, attention_bias=False)
+    return cfg
+
+
+def save_drafter(model: DFlashDrafter, path: Path, dtype: torch.dtype) -> None:
+    """config.json and model.safetensors in z-lab's layout."""
+    path.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(model.cfg, indent=2))

@@ -1,0 +1,131 @@
+"""The ``dflash`` method: a DFlash drafter (draft_service/dflash_head.py) drafts a whole
+block of positions in one forward.
+
+A FeatureDrafter (draft_service/feature_drafter.py): unit t is the committed pair
+``(s_{t+1}, f_t)``, and its KV is the context K/V of ``f_t`` at position t in every
+layer. One step, batched over sequences, at a fixed shape (one CUDA-graph replay):
+
+1. *context*: the new pairs' features (at least the last: a [B, depth + 1] chain
+   whose tail is padding) become context K/V at their positions, with no attention;
+2. *block*: ``[s_n, mask x (B - 1)]`` at positions n .. n + B - 1 through the
+   layers, its queries seeing the context and the whole block (chunk parents
+   BLOCK), its own K/V written as scratch after the context (a later step's
+   context overwrites it);
+3. *tree*: the marginals of block positions 1 .. depth. A chain takes each
+   position's best; a tree grows tree_build.Expansion from them, every frontier
+   node of level l choosing among the same candidates of position l + 1 (the block
+   drafts positions, not paths), and reranks to the best num_nodes by summed
+   log-prob. A sampling row draws as the other model drafters do
+   (common.sampling.draft_scores, keyed by the position).
+
+Rollback is free, as for EAGLE-3: only committed pairs' K/V is ever kept.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.forward_batch import device_forward_batch, padded_chain_batch
+from common.kv_cache import PagedKVCache
+from common.model_paths import resolve_model
+from common.tree import TreeEnvelope
+from draft_service.dflash_head import DFlashHead
+from draft_service.feature_drafter import FeatureDrafter, FeatureSeq
+from draft_service.model_step import scores
+from draft_service.tree_build import Expansion
+from kernels.dispatch import select
+from kernels.reference import BLOCK
+
+if TYPE_CHECKING:
+    from draft_service.config import DraftConfig
+
+
+class DFlashProposer(FeatureDrafter):
+    name = "dflash"
+
+    def __init__(self, head: DFlashHead, env: TreeEnvelope, ops: ModuleType,
+                 num_blocks: int, block_size: int, model_name: str = "") -> None:
+        spec = head.spec
+        if env.depth > spec.block_size - 1:
+            raise ValueError(f"envelope {env.name} is {env.depth} deep, but a DFlash block "
+                             f"of {spec.block_size} drafts {spec.block_size - 1} positions")
+        self.head = head
+        self.vocab_size = spec.layers.vocab_size
+        self.feature_size = len(spec.target_layer_ids) * spec.layers.hidden_size
+        self.target_hidden_layers = spec.capture_layers
+        dev = head.device
+        self._parents = torch.full((1, spec.block_size), BLOCK, dtype=torch.int32, device=dev)
+        self._depths = torch.arange(spec.block_size, device=dev)
+        super().__init__(head.new_cache(num_blocks, block_size), env, ops, model_name,
+                         [((self.feature_size,), head.dtype)])
+        self._scratch = max(self._scratch, spec.block_size)     # the block after the context
+
+    @classmethod
+    def load(cls, cfg: DraftConfig, device: torch.device, dtype: torch.dtype) -> DFlashProposer:
+        head = DFlashHead.from_pretrained(resolve_model(cfg.model), cfg.target_embeddings,
+                                          dtype, device)
+        return cls(head, cfg.envelope, select(device, cfg.kernels), cfg.num_blocks,
+                   cfg.block_size, model_name=cfg.model)
+
+    # ------------------------------------------------------------ KVDrafter hooks
+    def _prefill(self, rows: list[tuple[FeatureSeq, int, int]]) -> None:
+        positions = [p for _, lo, hi in rows for p in range(lo, hi)]
+        slots = [self.cache.slot(st.pages, p) for st, lo, hi in rows for p in range(lo, hi)]
+        dev = self.head.device
+        self.head.write_context(torch.cat([st.feats.rows[lo:hi] for st, lo, hi in rows]),
+                                torch.tensor(positions, device=dev),
+                                torch.tensor(slots, device=dev), self.cache, self.ops)
+
+    def _step_fn(self, tokens: torch.Tensor, count: torch.Tensor, ctx0: torch.Tensor,
+                 table: torch.Tensor, feats: torch.Tensor,
+                 sampling: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+        return dflash_step(self.head, self.cache, self.ops, self.env, self._parents,
+                           self._depths, tokens, count, ctx0, table, feats, sampling)
+
+
+def dflash_step(head: DFlashHead, cache: PagedKVCache, ops: ModuleType, env: TreeEnvelope,
+                parents: torch.Tensor, depths: torch.Tensor, tokens: torch.Tensor,
+                count: torch.Tensor, ctx0: torch.Tensor, table: torch.Tensor,
+                feats: torch.Tensor, sampling: list[torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, ...]:
+    """tokens [B, C] int64 and feats [B, C, F]: row b's first count[b] (>= 1) new pairs,
+    written from position ctx0[b] on (the tail is padding: its slots are the block's,
+    rewritten next); parents [1, block] BLOCK and depths [block]; table covers ctx0 +
+    count + block -> tokens, parents [B, N] (and, sampling, q_ids, q_probs [B, N, Q])."""
+    b, c = tokens.shape
+    spec = head.spec
+    chain = padded_chain_batch(tokens, count, ctx0, table, cache.block_size)
+    head.write_context(feats.reshape(b * c, -1), chain.positions, chain.slots, cache, ops)
+    n = ctx0 + count                                       # the root's position
+    root = tokens.gather(1, (count.long() - 1).unsqueeze(1))                   # [B, 1]
+    block = torch.cat([root, torch.full((b, spec.block_size - 1), spec.mask_token_id,
+                                        dtype=root.dtype, device=root.device)], 1)
+    par = parents.expand(b, -1)
+    fb = device_forward_batch(block, par, depths, n.to(torch.int32), table, cache.block_size)
+    fb.ancestors = ops.tree_ancestors(par)
+    hidden = head.block(fb, cache, ops).view(b, spec.block_size, -1)[:, 1:env.depth + 1]
+    logits = head.logits(hidden.reshape(b * env.depth, -1), ops).view(b, env.depth, -1)
+    return block_tree(logits, env, n, sampling)
+
+
+def block_tree(logits: torch.Tensor, env: TreeEnvelope, n: torch.Tensor,
+               sampling: list[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
+    """The envelope's tree from the marginals logits [B, depth, V] of positions n + 1 ..
+    n + depth: tokens, parents [B, N] (and, sampling, q_ids, q_probs [B, N, Q])."""
+    k = env.topk
+
+    def per_node(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.unsqueeze(1).expand(-1, k, *x.shape[1:])
+
+    lp, pick, q = scores(logits[:, 0], sampling, n + 1)
+    exp = Expansion(lp, k, env.depth, pick, q,
+                    static=None if sampling is None else sampling[0] > 0)
+    for level in range(1, env.depth):
+        lp, pick, q = scores(logits[:, level], sampling, n + 1 + level)
+        exp.grow(level, per_node(lp), per_node(pick),
+                 None if q is None else tuple(per_node(x) for x in q))
+    t, p, _, *q = exp.rerank(env.num_nodes)
+    return (t, p, *q)

@@ -1,0 +1,66 @@
+"""The drafters whose units are committed (token, target feature) pairs: EAGLE-3, DFlash.
+
+Alignment. With committed tokens ``s_0 .. s_n`` and target features ``f_t`` (the
+named target layers' states at token ``s_t``, i.e. the state that predicted
+``s_{t+1}``), unit ``t`` is the *committed pair* ``(s_{t+1}, f_t)`` at position t,
+t = 0 .. n-1; the last pair's token is the root ``s_n``. The verify service sends,
+with each new token ``s_j``, the row ``f_{j-1}`` (a full update's row 0 belongs to
+``s_0``, which has no pair), so every committed token completes its pair on arrival.
+
+Every pair's feature row stays on the device (a RowBuffer), so a sequence whose KV
+was dropped for pages recomputes it like the draft model does. A missing hidden
+tensor counts as zero features (worse drafts, the same output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.errors import InvalidRequest
+from common.row_buffer import RowBuffer
+from draft_service.kv_drafter import DraftSeq, KVDrafter
+
+
+@dataclass
+class FeatureSeq(DraftSeq):
+    feats: RowBuffer | None = None          # [pairs, C]: feats.rows[t] = f_t of pair t
+
+
+class FeatureDrafter(KVDrafter):
+    """A KVDrafter over committed pairs; the subclass sets ``head`` (its network, with
+    device and dtype), ``feature_size`` and ``target_hidden_layers`` before
+    KVDrafter.__init__."""
+
+    head: torch.nn.Module
+    feature_size: int
+    target_hidden_layers: tuple[int, ...]
+
+    def _new(self) -> FeatureSeq:
+        return FeatureSeq()
+
+    def update(self, seq_id: int, tokens: list[int], new_count: int,
+               accepted_nodes: list[int], hidden: torch.Tensor | None) -> None:
+        c = self.feature_size
+        if hidden is None:
+            hidden = torch.zeros(new_count, c)
+        elif hidden.dim() != 2 or hidden.shape != (new_count, c):
+            raise InvalidRequest(
+                f"seq {seq_id}: hidden states of shape {tuple(hidden.shape)}, the {self.name} "
+                f"drafter needs [{new_count}, {c}] (layers {list(self.target_hidden_layers)} "
+                "of the target it was trained for)")
+        st = self.state(seq_id)
+        rows = hidden.to(self.head.device, self.head.dtype, copy=True)   # may be shared
+        if new_count == len(tokens):          # from nothing: s_0 has no pair
+            self.cache.release(st.pages)
+            st.feats = RowBuffer(rows[1:])
+        else:
+            st.feats.append(rows)
+        st.tokens = tokens
+
+    def _units(self, st: FeatureSeq) -> int:
+        return len(st.tokens) - 1
+
+    def _inputs(self, st: FeatureSeq, lo: int, hi: int) -> tuple[list[int], list[torch.Tensor]]:
+        return st.tokens[lo + 1:hi + 1], [st.feats.rows[lo:hi]]

@@ -1,0 +1,177 @@
+"""The DFlash proposer: a checkpoint in z-lab's layout loads (a config or tensor that
+does not fit is named), its paged block forward drafts exactly what the dense forward
+of bench/train_tiny/dflash.py drafts on the same tokens and target features (across
+incremental updates and a batch), its trees keep to the block's marginals, and through
+real gRPC servers (both carriers) the output equals plain greedy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from bench.train_tiny import dflash as D
+from common import cli
+from common.checkpoint import load_state_dict
+from common.client import AsyncTreespecClient
+from common.forward_batch import build_forward_batch, chain_chunk
+from common.kv_cache import SeqPages
+from common.qwen3 import Qwen3Model
+from common.tree import PRESETS, ROOT, validate_tree
+from draft_service.config import DraftConfig
+from draft_service.dflash_proposer import DFlashProposer
+from inproc import greedy_reference, services
+from kernels import reference as ops
+from tests_data import tp
+from checkpoints import make_checkpoint
+
+LAYER_IDS = [0, 2]            # of a 4-layer target: capture indices 1 and 3
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def target4(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("target4"), seed=4, layers=4, hidden=64,
+                           heads=4, kv_heads=2, shard=True, tie=False)
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(tmp_path_factory, target4) -> Path:
+    """A random drafter in z-lab's layout (attention weights wide, so that the block's
+    positions, which differ only by position, draft different tokens; norms random so
+    that swapping two shows)."""
+    tcfg = json.loads((target4 / "config.json").read_text())
+    cfg = D.drafter_config(tcfg, layers=2, block_size=BLOCK,
+                           mask_token_id=tcfg["vocab_size"] - 1, layer_ids=LAYER_IDS)
+    torch.manual_seed(7)
+    model = D.DFlashDrafter(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            wide = "_proj" in name and "mlp" not in name or name == "fc.weight"
+            p.normal_(0, 1.0 if wide else 0.25) if p.dim() == 2 else p.uniform_(0.5, 1.5)
+    path = tmp_path_factory.mktemp("dflash")
+    D.save_drafter(model, path, torch.float32)
+    return path
+
+
+def _proposer(path: Path, target: Path, env: str) -> DFlashProposer:
+    return DFlashProposer.from_config(DraftConfig(
+        method="dflash", envelope=PRESETS[env], model=str(path),
+        target_embeddings=str(target), device="cpu", num_blocks=64, block_size=4))
+
+
+def _features(target: Path, tokens: list[int]) -> torch.Tensor:
+    """f_0 .. f_{n-1} at the drafter's capture indices, [len(tokens), F] (the last row,
+    the root's, is what the verify sends with the next token)."""
+    model = Qwen3Model.from_pretrained(target)
+    cache = model.new_cache(64, 4)
+    fb = build_forward_batch([chain_chunk(SeqPages(), tokens)], cache)
+    return torch.cat(model(fb, cache, ops, tuple(i + 1 for i in LAYER_IDS))[1], -1)
+
+
+def _oracle(path: Path, target: Path, tokens: list[int], feats: torch.Tensor) -> torch.Tensor:
+    """The dense forward's marginals [B - 1, V] after committed tokens."""
+    model = D.DFlashDrafter(json.loads((path / "config.json").read_text()))
+    model.load_state_dict(load_file(str(path / "model.safetensors")))
+    tsd = load_state_dict(target, names={"model.embed_tokens.weight", "lm_head.weight"})
+    n = len(tokens) - 1
+    block = torch.tensor([[tokens[-1]] + [model.mask_token_id] * (BLOCK - 1)])
+    with torch.no_grad():
+        logits = model(feats[None, :n], torch.tensor([n]), block,
+                       tsd["model.embed_tokens.weight"], tsd["lm_head.weight"])
+    return logits[0, 1:]
+
+
+def test_block_chain_equals_the_dense_forward(dflash_dir, target4):
+    """Chains of the block's argmax, for a batch of two sequences, then again after each
+    grows by a few committed tokens (the new pairs' context K/V in the step)."""
+    prop = _proposer(dflash_dir, target4, "block8")
+    assert prop.target_hidden_layers == (1, 3) and prop.env.depth == BLOCK - 1
+    g = torch.Generator().manual_seed(3)
+    seqs = {1: torch.randint(0, 95, (11,), generator=g).tolist(),
+            2: torch.randint(0, 95, (5,), generator=g).tolist()}
+    sent = {s: 0 for s in seqs}
+    drafted, chains = set(), []
+    for grow in (0, 3, 9):
+        for s in seqs:
+            seqs[s] = seqs[s] + torch.randint(0, 95, (grow,), generator=g).tolist()
+            f = _features(target4, seqs[s])
+            rows = torch.cat([torch.zeros(1, f.shape[1]), f])[sent[s]:len(seqs[s])]
+            prop.update(s, seqs[s], len(seqs[s]) - sent[s], [], rows)
+            sent[s] = len(seqs[s])
+        tokens, parents = tp(prop.propose([1, 2]))
+        for r, s in enumerate(seqs):
+            want = _oracle(dflash_dir, target4, seqs[s], _features(target4, seqs[s]))
+            assert tokens[r].tolist() == want.argmax(-1).tolist(), (grow, s)
+            assert parents[r].tolist() == list(range(-1, BLOCK - 2))
+            drafted |= set(tokens[r].tolist())
+            chains.append(tokens[r].tolist())
+    # not one token everywhere: within a chain, positions draft different tokens
+    assert len(drafted) >= 6 and all(len(set(c)) > 1 for c in chains[:3])
+
+
+def test_trees_choose_among_each_positions_best(dflash_dir, target4):
+    env = PRESETS["tree-small"]
+    prop = _proposer(dflash_dir, target4, "tree-small")
+    toks = torch.randint(0, 95, (13,), generator=torch.Generator().manual_seed(8)).tolist()
+    f = _features(target4, toks)
+    prop.update(1, toks, len(toks), [], torch.cat([torch.zeros(1, f.shape[1]), f])[:len(toks)])
+    tokens, parents = tp(prop.propose([1]))
+    assert validate_tree(tokens, parents, env.num_nodes, 96) is None
+    top = _oracle(dflash_dir, target4, toks, f).topk(env.topk, -1).indices
+    for i in range(env.num_nodes):
+        depth, up = 0, i
+        while up != ROOT:
+            depth, up = depth + 1, int(parents[0, up])
+        assert int(tokens[0, i]) in top[depth - 1].tolist()
+    assert int(tokens[0, 0]) == int(top[0, 0])          # best first: the argmax chain
+
+
+def test_bad_checkpoints_and_flags_are_named(dflash_dir, target4, tmp_path, monkeypatch, capsys):
+    with pytest.raises(ValueError, match="drafts 7 positions"):
+        _proposer(dflash_dir, target4, "block16")
+    cfg = json.loads((dflash_dir / "config.json").read_text())
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    sd = load_file(str(dflash_dir / "model.safetensors"))
+    del sd["layers.1.self_attn.k_norm.weight"]
+    save_file(sd, str(broken / "model.safetensors"))
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(KeyError, match="layers.1.self_attn.k_norm.weight"):
+        _proposer(broken, target4, "block8")
+    seen = {}
+    monkeypatch.setattr(cli, "run_server", lambda module, c: seen.update(cfg=c))
+    argv = ["draft", "--method", "dflash", "--model", str(dflash_dir), "--port", "0"]
+    assert cli.main(argv) == 2 and "--target-embeddings" in capsys.readouterr().err
+    bad = dict(cfg, dflash_config=dict(cfg["dflash_config"], target_layer_ids=[0, 3]))
+    (broken / "config.json").write_text(json.dumps(bad))
+    assert cli.main(["draft", "--method", "dflash", "--model", str(broken), "--port", "0",
+                     "--target-embeddings", str(target4)]) == 2
+    assert "target_layer_ids [3]" in capsys.readouterr().err and not seen
+    assert cli.main(argv + ["--target-embeddings", str(target4)]) == 0
+    assert seen["cfg"].envelope.name == "block8"         # its block, by default
+
+
+PROMPTS = [[1, 5, 9, 13, 2, 7, 1, 5, 9, 13], [3, 4, 5, 6], [10, 20, 30, 40, 50, 60, 70]]
+
+
+@pytest.mark.parametrize("envelope, draft_socket", [("block8", "auto"), ("tree-small", "auto"),
+                                                    ("chain4", "off")])
+def test_speculative_greedy_equals_plain_greedy(dflash_dir, target4, envelope, draft_socket):
+    async def go():
+        async with services(target4, "dflash", dflash_dir, envelope, draft_socket=draft_socket,
+                            draft_kw={"target_embeddings": str(target4)}) as h:
+            assert h["engine"].link.info.target_hidden_layers == (1, 3)
+            async with AsyncTreespecClient(h["addr"]) as c:
+                outs = [await c.generate(prompt_ids=p, max_tokens=24, ignore_eos=True)
+                        for p in PROMPTS]
+            return outs, h["engine"].kv_pages_used
+    outs, used = asyncio.run(go())
+    for p, out in zip(PROMPTS, outs):
+        assert out.token_ids == greedy_reference(target4, p, 24)
+        assert out.stats["draft_tokens"] > 0 and out.stats["fallback_steps"] == 0
+    assert used == 0
