@@ -95,8 +95,7 @@ def kernel_kinds(graph, steps: int = 5) -> dict:
 def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile: bool,
         g: torch.Generator) -> dict:
     vocab = prop.vocab_size
-    feat = getattr(getattr(prop, "head", None), "spec", None)
-    feat = feat.feature_size if method == "eagle3" else 0
+    feat = getattr(prop, "feature_size", 0)
     ids = list(range(10_000 * (b + 1), 10_000 * (b + 1) + b))
     toks = {s: torch.randint(0, vocab, (ctx,), generator=g).tolist() for s in ids}
 
@@ -159,11 +158,11 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     for method in a.methods.split(","):
         for envelope in a.envelopes.split(","):
-            model = {"model": work / "draft", "eagle3": work / "eagle3"}[method]
+            model = work / {"model": "draft"}.get(method, method)
             t0 = time.perf_counter()
             prop = PROPOSERS[method].from_config(DraftConfig(
                 method=method, envelope=envelope_from(envelope), model=str(model),
-                target_embeddings=str(work / "target") if method == "eagle3" else None,
+                target_embeddings=str(work / "target") if method != "model" else None,
                 device=a.device, num_blocks=pages(a)))
             res["rows"][f"{method}:{envelope}:load_s"] = round(time.perf_counter() - t0, 1)
             for b in (int(x) for x in a.batches.split(",")):

@@ -50,15 +50,16 @@ def free_port() -> int:
 
 
 def draft_argv(method: str, envelope: str, mode: str, port: int, work: Path, target: Path,
-               device: str, cont: Path, pages: int) -> list[str]:
+               device: str, cont: Path, pages: int, accept: int = 3) -> list[str]:
     model = {"ngram": [], "model": ["--model", str(work / "draft")],
-             "eagle3": ["--model", str(work / "eagle3"), "--target-embeddings", str(target)]}
+             "eagle3": ["--model", str(work / "eagle3"), "--target-embeddings", str(target)],
+             "dflash": ["--model", str(work / "dflash"), "--target-embeddings", str(target)]}
     common = ["--envelope", envelope, "--port", str(port), "--num-blocks", str(pages),
               *model[method]]
     if mode == "random":
         return cli_command("draft", "--method", method, "--device", device, *common)
     return [sys.executable, str(BENCH / "replay.py"), "--continuations", str(cont),
-            "--accept", "3", "--shadow", method, "--device", device, *common]
+            "--accept", str(accept), "--shadow", method, "--device", device, *common]
 
 
 async def _connected(addr: str, proposer: str, timeout: float = 600.0) -> None:
@@ -101,6 +102,8 @@ def checkpoints(a: argparse.Namespace, work: Path) -> None:
                 torch.cuda.empty_cache()
     if not (work / "eagle3" / "config.json").exists():
         shapes.random_eagle3_head(a.target_shape, work / "eagle3")
+    if not (work / "dflash" / "config.json").exists():
+        shapes.random_dflash(a.target_shape, work / "dflash", a.device)
 
 
 def shape_args(description: str) -> argparse.ArgumentParser:
@@ -121,6 +124,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--configs", default=CONFIGS, help="proposer:envelope, comma-separated")
     ap.add_argument("--modes", default="random,shadow")
+    ap.add_argument("--shadow-accept", type=int, default=3,
+                    help="draft tokens the shadow replay has accepted a step (3: 4 tokens a step)")
     ap.add_argument("--verify-args", default="", help="extra verify flags, space-separated")
     ap.add_argument("--budget-s", type=float, default=1e9,
                     help="start no configuration after this many seconds")
@@ -185,7 +190,7 @@ def run_config(method: str, envelope: str, mode: str, port: int, work: Path,
     proposer = method if mode == "random" else f"shadow-replay-instrument:{method}"
     d = start(f"{method}-{envelope}-{mode}",
               draft_argv(method, envelope, mode, port, work, work / "target", a.device, cont,
-                         pages(a)))
+                         pages(a), a.shadow_accept))
     rows: dict = {}
     try:
         asyncio.run(_connected(v.addr, proposer))

@@ -133,11 +133,12 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--local-socket", default="auto", help="as `treespec draft --local-socket`")
-    ap.add_argument("--shadow", choices=["ngram", "model", "eagle3"],
+    ap.add_argument("--shadow", choices=["ngram", "model", "eagle3", "dflash"],
                     help="run this proposer's whole step, then replay (the shadow replay)")
     ap.add_argument("--model", help="--shadow's checkpoint")
     ap.add_argument("--envelope", default="chain4", help="--shadow's envelope")
-    ap.add_argument("--target-embeddings", help="--shadow eagle3's, as for `treespec draft`")
+    ap.add_argument("--target-embeddings", help="--shadow eagle3's or dflash's, as for "
+                    "`treespec draft`")
     ap.add_argument("--device", default="auto", help="--shadow's device")
     ap.add_argument("--num-blocks", type=int, default=4096, help="--shadow's KV pages")
     a = ap.parse_args()

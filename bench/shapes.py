@@ -126,6 +126,30 @@ def random_eagle3_head(target_shape: str, path: Path, seed: int = 3) -> None:
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
+# the published Qwen3-8B DFlash drafter's shape (z-lab/Qwen3-8B-DFlash-b16): five
+# Qwen3 layers of the target's width; target layers spread over 1 .. L - 3
+DFLASH = {"qwen3-8b": dict(layers=5, block=16), "tiny": dict(layers=1, block=8)}
+
+
+def random_dflash(target_shape: str, path: Path, device: str = "cpu", seed: int = 5) -> None:
+    """A DFlash drafter of that target's published shape with random bf16 weights (std
+    0.02, norms 1), in z-lab's layout (no embedding or LM head: --target-embeddings)."""
+    from bench.train_tiny.dflash import DFlashDrafter, drafter_config, save_drafter
+    from draft_service.dflash_head import default_layer_ids
+    c, e = config(target_shape).to_dict(), DFLASH[target_shape]
+    n = c["num_hidden_layers"]
+    ids = default_layer_ids(n, e["layers"]) if n > 4 else [0]
+    cfg = drafter_config(c, e["layers"], e["block"], mask_token_id=c["vocab_size"] - 1,
+                         layer_ids=ids)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = DFlashDrafter(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02) if p.dim() == 2 else p.fill_(1.0)
+    save_drafter(model, path, torch.bfloat16)
+
+
 def num_params(name: str) -> int:
     c = SHAPES[name]
     h, i, hd, L = c["hidden_size"], c["intermediate_size"], c["head_dim"], c["num_hidden_layers"]
