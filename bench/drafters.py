@@ -122,7 +122,8 @@ def shape_args(description: str) -> argparse.ArgumentParser:
 def main() -> None:
     ap = shape_args(__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--configs", default=CONFIGS, help="proposer:envelope, comma-separated")
+    ap.add_argument("--configs", default=CONFIGS,
+                    help="proposer:envelope[:shadow accept], comma-separated")
     ap.add_argument("--modes", default="random,shadow")
     ap.add_argument("--shadow-accept", type=int, default=3,
                     help="draft tokens the shadow replay has accepted a step (3: 4 tokens a step)")
@@ -163,7 +164,7 @@ def main() -> None:
         cont.write_text(json.dumps([{"prompt": p, "continuation": c} for b in batches
                                     for p, c in zip(sets[b], res["plain"][str(b)]["ids"])]))
         for config in a.configs.split(","):
-            method, envelope = config.split(":")
+            method, envelope, *accept = config.split(":")
             for mode in a.modes.split(","):
                 key = f"{method}:{envelope}:{mode}"
                 if time.monotonic() - t0 > a.budget_s:
@@ -171,7 +172,8 @@ def main() -> None:
                     continue
                 try:
                     res["rows"][key] = run_config(method, envelope, mode, port, work, a,
-                                                  v, url, sets, res["plain"], cont)
+                                                  v, url, sets, res["plain"], cont,
+                                                  int(accept[0]) if accept else a.shadow_accept)
                 except Exception as e:    # one broken configuration must not cost the rest
                     res["errors"][key] = f"{type(e).__name__}: {e}"
                     print(f"{key}: {res['errors'][key]}", flush=True)
@@ -186,11 +188,11 @@ def main() -> None:
 
 def run_config(method: str, envelope: str, mode: str, port: int, work: Path,
                a: argparse.Namespace, v, url: str | None, sets: dict, plain: dict,
-               cont: Path) -> dict:
+               cont: Path, accept: int) -> dict:
     proposer = method if mode == "random" else f"shadow-replay-instrument:{method}"
     d = start(f"{method}-{envelope}-{mode}",
               draft_argv(method, envelope, mode, port, work, work / "target", a.device, cont,
-                         pages(a), a.shadow_accept))
+                         pages(a), accept))
     rows: dict = {}
     try:
         asyncio.run(_connected(v.addr, proposer))

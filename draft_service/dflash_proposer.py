@@ -115,17 +115,38 @@ def block_tree(logits: torch.Tensor, env: TreeEnvelope, n: torch.Tensor,
                sampling: list[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
     """The envelope's tree from the marginals logits [B, depth, V] of positions n + 1 ..
     n + depth: tokens, parents [B, N] (and, sampling, q_ids, q_probs [B, N, Q])."""
+    if sampling is None:
+        return _greedy_tree(logits, env)
     k = env.topk
 
     def per_node(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x.unsqueeze(1).expand(-1, k, *x.shape[1:])
 
     lp, pick, q = scores(logits[:, 0], sampling, n + 1)
-    exp = Expansion(lp, k, env.depth, pick, q,
-                    static=None if sampling is None else sampling[0] > 0)
+    exp = Expansion(lp, k, env.depth, pick, q, static=sampling[0] > 0)
     for level in range(1, env.depth):
         lp, pick, q = scores(logits[:, level], sampling, n + 1 + level)
         exp.grow(level, per_node(lp), per_node(pick),
                  None if q is None else tuple(per_node(x) for x in q))
     t, p, _, *q = exp.rerank(env.num_nodes)
     return (t, p, *q)
+
+
+def _greedy_tree(logits: torch.Tensor, env: TreeEnvelope) -> tuple[torch.Tensor, ...]:
+    """block_tree of a batch that does not sample, on each position's top-k only: a
+    chain is the argmax of every position; a tree expands over a [depth * k] table
+    whose level-l columns hold position l's top-k (the rest -inf), so Expansion never
+    scans the vocabulary (on the H200 the per-level scans were 1.3 of 2.95 ms)."""
+    b, d, _ = logits.shape
+    k, dev = env.topk, logits.device
+    if k == 1:
+        return (logits.argmax(-1).to(torch.int32),
+                (torch.arange(d, device=dev, dtype=torch.int32) - 1).expand(b, d))
+    lp, ids = logits.log_softmax(-1).topk(k, -1)                            # [B, D, k]
+    own = torch.eye(d, dtype=torch.bool, device=dev).view(1, d, d, 1)
+    table = torch.where(own, lp.unsqueeze(2), float("-inf")).view(b, d, d * k)
+    exp = Expansion(table[:, 0], k, env.depth)
+    for level in range(1, env.depth):
+        exp.grow(level, table[:, level].unsqueeze(1).expand(-1, k, -1))
+    t, p, _ = exp.rerank(env.num_nodes)
+    return ids.view(b, d * k).gather(1, t.long()).to(torch.int32), p
