@@ -81,9 +81,9 @@ def _oracle(path: Path, target: Path, tokens: list[int], feats: torch.Tensor) ->
     n = len(tokens) - 1
     block = torch.tensor([[tokens[-1]] + [model.mask_token_id] * (BLOCK - 1)])
     with torch.no_grad():
-        logits = model(feats[None, :n], torch.tensor([n]), block,
+        logits = model(feats[None, :n], torch.tensor([[n]]), block[None],
                        tsd["model.embed_tokens.weight"], tsd["lm_head.weight"])
-    return logits[0, 1:]
+    return logits[0, 0, 1:]
 
 
 def test_block_chain_equals_the_dense_forward(dflash_dir, target4):
@@ -175,3 +175,19 @@ def test_speculative_greedy_equals_plain_greedy(dflash_dir, target4, envelope, d
         assert out.token_ids == greedy_reference(target4, p, 24)
         assert out.stats["draft_tokens"] > 0 and out.stats["fallback_steps"] == 0
     assert used == 0
+
+
+def test_training_rows_hold_independent_blocks(dflash_dir, target4):
+    """bench/train_tiny/dflash.py puts several blocks in one row (each sees the context
+    before its anchor and itself): the same logits as one block a row."""
+    model = D.DFlashDrafter(json.loads((dflash_dir / "config.json").read_text()))
+    model.load_state_dict(load_file(str(dflash_dir / "model.safetensors")))
+    toks = torch.randint(0, 95, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    f = _features(target4, toks)[None]
+    emb, head = torch.randn(96, 64), torch.randn(96, 64)
+    blocks = torch.tensor([[toks[5]] + [95] * (BLOCK - 1), [toks[17]] + [95] * (BLOCK - 1)])
+    with torch.no_grad():
+        both = model(f, torch.tensor([[5, 17]]), blocks[None], emb, head)[0]
+        for i, a in enumerate((5, 17)):
+            one = model(f[:, :a], torch.tensor([[a]]), blocks[None, i:i + 1], emb, head)[0, 0]
+            torch.testing.assert_close(both[i], one, atol=1e-4, rtol=1e-4)

@@ -77,43 +77,90 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(s, torch.device("cpu")),
                              persistent=False)
 
-    def forward(self, feats: torch.Tensor, ctx_len: torch.Tensor, block: torch.Tensor,
+    def forward(self, feats: torch.Tensor, anchors: torch.Tensor, block: torch.Tensor,
                 embed: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
-        """feats [R, n, m H] context features (row r's first ctx_len[r] real), block [R, S]
-        token ids at positions ctx_len[r] .. + S - 1, embed / lm_head [V, H] the target's
-        -> logits [R, S, V] (position 0's is unused)."""
+        """feats [R, n, m H] context features of positions 0 .. n-1; anchors [R, K]: block
+        k of row r sits at positions anchors[r, k] .. + S - 1 and sees the context before
+        anchors[r, k] and its own S queries (training puts several blocks in one row);
+        block [R, K, S] token ids; embed / lm_head [V, H] the target's -> logits
+        [R, K, S, V] (position 0's is unused)."""
         s = self.spec
         r, n, _ = feats.shape
-        sl = block.shape[1]
+        k_blocks, sl = block.shape[1:]
+        q_len = k_blocks * sl
         d, hq, hkv = s.head_dim, s.num_heads, s.num_kv_heads
+        dev = feats.device
         c = self.hidden_norm(self.fc(feats))                                   # [R, n, H]
-        x = embed[block]                                                       # [R, S, H]
-        ctx_pos = torch.arange(n).expand(r, n)
-        blk_pos = ctx_len.unsqueeze(1) + torch.arange(sl)
-        keys_ok = torch.cat([ctx_pos < ctx_len.unsqueeze(1), torch.ones(r, sl, dtype=torch.bool)], 1)
-        pos = torch.cat([ctx_pos, blk_pos], 1)                                 # [R, n + S]
+        x = embed[block].view(r, q_len, -1)                                    # [R, K*S, H]
+        blk_pos = (anchors.unsqueeze(-1) + torch.arange(sl, device=dev)).view(r, q_len)
+        pos = torch.cat([torch.arange(n, device=dev).expand(r, n), blk_pos], 1)
         cos, sin = rope_cos_sin(pos.reshape(-1), self.inv_freq)
+        own = torch.arange(k_blocks, device=dev).repeat_interleave(sl)        # query's block
+        sees = torch.cat([torch.arange(n, device=dev).view(1, 1, n)
+                          < blk_pos.view(r, q_len, 1) - (torch.arange(q_len, device=dev)
+                                                         % sl).view(1, q_len, 1),
+                          (own.view(1, q_len, 1) == own.view(1, 1, q_len)).expand(r, -1, -1)],
+                         2)                                                   # [R, K*S, n+K*S]
 
         def rot(t: torch.Tensor, at: slice) -> torch.Tensor:                   # [R, T, h, d]
             rt, tt, hh, _ = t.shape
-            cs = cos.view(r, n + sl, -1)[:, at].reshape(rt * tt, -1)
-            sn = sin.view(r, n + sl, -1)[:, at].reshape(rt * tt, -1)
+            cs = cos.view(r, n + q_len, -1)[:, at].reshape(rt * tt, -1)
+            sn = sin.view(r, n + q_len, -1)[:, at].reshape(rt * tt, -1)
             return rope(t.reshape(rt * tt, hh, d), cs, sn).view(rt, tt, hh, d)
 
         for layer in self.layers:
             a = layer.self_attn
             h = layer.input_layernorm(x)
-            q = rot(a.q_norm(a.q_proj(h).view(r, sl, hq, d)), slice(n, None))
+            q = rot(a.q_norm(a.q_proj(h).view(r, q_len, hq, d)), slice(n, None))
             kv_in = torch.cat([c, h], 1)
-            k = rot(a.k_norm(a.k_proj(kv_in).view(r, n + sl, hkv, d)), slice(None))
-            v = a.v_proj(kv_in).view(r, n + sl, hkv, d)
+            k = rot(a.k_norm(a.k_proj(kv_in).view(r, n + q_len, hkv, d)), slice(None))
+            v = a.v_proj(kv_in).view(r, n + q_len, hkv, d)
             k, v = (t.repeat_interleave(hq // hkv, 2).transpose(1, 2) for t in (k, v))
             w = torch.einsum("rhqd,rhkd->rhqk", q.transpose(1, 2).float(), k.float()) * d ** -0.5
-            w = w.masked_fill(~keys_ok[:, None, None, :], float("-inf")).softmax(-1)
+            w = w.masked_fill(~sees[:, None], float("-inf")).softmax(-1)
             o = torch.einsum("rhqk,rhkd->rhqd", w, v.float()).to(x.dtype)
-            x = x + a.o_proj(o.transpose(1, 2).reshape(r, sl, hq * d))
+            x = x + a.o_proj(o.transpose(1, 2).reshape(r, q_len, hq * d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x) @ lm_head.T
+        return (self.norm(x) @ lm_head.T).view(r, k_blocks, sl, -1)
+
+
+def block_loss(model: DFlashDrafter, feats: torch.Tensor, tokens: torch.Tensor,
+               embed: torch.Tensor, lm_head: torch.Tensor, blocks: int, gamma: float,
+               gen: torch.Generator) -> torch.Tensor:
+    """Masked-block prediction on windows tokens [R, W] with the target's features
+    feats [R, W, F]: `blocks` random anchors a per row (block [x_a, mask, ...], context
+    f_0 .. f_{a-1}), cross-entropy of positions 1 .. S-1 against x_{a+1} .., weighted
+    exp(-(k - 1) / gamma) toward the early positions (those every accepted prefix needs)."""
+    r, w = tokens.shape
+    sl, dev = model.block_size, tokens.device
+    anchors = torch.randint(1, w - sl + 1, (r, blocks), generator=gen).to(dev)   # [R, K]
+    at = anchors.unsqueeze(-1) + torch.arange(sl, device=dev)                    # [R, K, S]
+    truth = tokens.gather(1, at.view(r, -1)).view(r, blocks, sl)
+    block = torch.cat([truth[..., :1], torch.full_like(truth[..., 1:], model.mask_token_id)], -1)
+    logits = model(feats, anchors, block, embed, lm_head)[:, :, 1:]             # [R, K, S-1, V]
+    ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 2),
+                                           truth[..., 1:].flatten(), reduction="none")
+    weight = torch.exp(-torch.arange(sl - 1, device=dev, dtype=torch.float32) / gamma)
+    return (ce.view(r, blocks, sl - 1) * weight).sum(-1).mean() / weight.sum()
+
+
+@torch.no_grad()
+def chain_acceptance(model: DFlashDrafter, feats: torch.Tensor, seqs: torch.Tensor,
+                     prompt_len: int, embed: torch.Tensor, lm_head: torch.Tensor) -> float:
+    """Mean tokens a greedy step commits (accepted drafts + 1) when the block drafts
+    after each prompt of seqs [N, P + G] (the target's greedy continuations), at every
+    anchor of the continuation: what bench-accept measures, teacher-forced on the
+    target's own chain."""
+    n, total = seqs.shape
+    sl = model.block_size
+    anchors = torch.arange(prompt_len - 1, total - sl + 1, device=seqs.device)
+    rows = anchors.expand(n, -1)
+    at = rows.unsqueeze(-1) + torch.arange(sl, device=seqs.device)
+    truth = seqs.gather(1, at.reshape(n, -1)).view(n, len(anchors), sl)
+    block = torch.cat([truth[..., :1], torch.full_like(truth[..., 1:], model.mask_token_id)], -1)
+    guess = model(feats, rows, block, embed, lm_head)[:, :, 1:].argmax(-1)
+    ok = (guess == truth[..., 1:]).long().cumprod(-1).sum(-1)
+    return float(ok.float().mean()) + 1.0
 
 
 def drafter_config(target_cfg: dict, layers: int, block_size: int, mask_token_id: int,

@@ -52,6 +52,15 @@ class Settings:
                                                budget_share=0.33)
     eagle_stage: StageSettings = StageSettings(steps=2500, batch=32, lr=2e-3, warmup=50,
                                                budget_share=0.30)
+    # the DFlash drafter (--only dflash: trained against the target already in --base)
+    dflash_layers: int = 3
+    dflash_block: int = 16
+    dflash_anchors: int = 8             # blocks drawn per training window
+    dflash_gamma: float = 7.0           # loss weight exp(-(k - 1) / gamma) at block position k
+    dflash_stage: StageSettings = StageSettings(steps=3000, batch=32, lr=2e-3, warmup=100,
+                                                budget_share=0.8)
+    only: str | None = None             # "dflash": train the DFlash drafter alone
+    base: str | None = None             # --only's target (and tokenizer) checkpoints' dir
     gen_seqs: int = 4096                # target-greedy sequences for draft/EAGLE distillation
     gen_prompt_len: int = 128
     gen_len: int = 128
@@ -79,8 +88,9 @@ def tiny_settings(base: Settings) -> Settings:
                                   intermediate=128),
                    draft=LMShape(hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16,
                                  intermediate=64),
-                   eagle_intermediate=128, ttt_steps=3,
+                   eagle_intermediate=128, ttt_steps=3, dflash_layers=1, dflash_block=8,
                    target_stage=stage, draft_stage=stage, eagle_stage=stage,
+                   dflash_stage=stage,
                    gen_seqs=8, gen_prompt_len=16, gen_len=16,
                    eval_prompts=2, eval_prompt_len=32, eval_new_tokens=12,
                    loss_eval_windows=4, log_every=10, eval_every=0, minutes_budget=1.5,
@@ -90,8 +100,9 @@ def tiny_settings(base: Settings) -> Settings:
 def parse_args(argv: list[str] | None = None) -> Settings:
     p = argparse.ArgumentParser(
         prog="python bench/train_tiny.py",
-        description="Train the tiny Qwen3 family (target, draft, EAGLE-3 head) on the "
-                    "Python standard library and save HF-layout checkpoints.")
+        description="Train the tiny Qwen3 family (target, draft, EAGLE-3 head; or with "
+                    "--only dflash a DFlash drafter for an existing target) on the Python "
+                    "standard library and save HF-layout checkpoints.")
     p.add_argument("--out", required=True, help="directory that receives the three checkpoints")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0)
@@ -104,6 +115,10 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--target-steps", type=int, default=None)
     p.add_argument("--draft-steps", type=int, default=None)
     p.add_argument("--eagle-steps", type=int, default=None)
+    p.add_argument("--dflash-steps", type=int, default=None)
+    p.add_argument("--only", choices=["dflash"],
+                   help="train only this drafter, against the target in --base")
+    p.add_argument("--base", help="--only's checkpoints dir (holding tiny-code)")
     p.add_argument("--gen-seqs", type=int, default=None,
                    help="target-greedy sequences generated for distillation (0: real text only)")
     p.add_argument("--eval-prompts", type=int, default=None)
@@ -114,14 +129,16 @@ def parse_args(argv: list[str] | None = None) -> Settings:
 
     import torch
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.only and not a.base:
+        p.error("--only needs --base (the dir holding the target it drafts for)")
     s = Settings(out=a.out, device=device, seed=a.seed, max_files=a.max_files,
-                 compile=a.compile)
+                 compile=a.compile, only=a.only, base=a.base)
     if a.tiny:
         s = tiny_settings(s)
     if a.minutes_budget is not None:
         s = replace(s, minutes_budget=a.minutes_budget)
     for name, flag in (("target_stage", a.target_steps), ("draft_stage", a.draft_steps),
-                       ("eagle_stage", a.eagle_steps)):
+                       ("eagle_stage", a.eagle_steps), ("dflash_stage", a.dflash_steps)):
         steps = flag if flag is not None else a.steps
         if steps is not None:
             stage = getattr(s, name)
