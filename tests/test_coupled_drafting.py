@@ -17,6 +17,7 @@ import torch
 from common.client import AsyncTreespecClient
 from common.sampling import draft_scores, draw
 from inproc import services
+from test_dflash import dflash_small  # noqa: F401  (fixture)
 from test_eagle3 import head_dir  # noqa: F401  (fixture)
 from kernels.reference import gumbel_noise
 
@@ -78,7 +79,9 @@ MIXED = [dict(temperature=0.8, top_k=20, seed=3), dict(), dict(temperature=1.0, 
 
 
 async def _mixed(target_dir, method, draft) -> tuple[list[list[int]], int]:
-    async with services(target_dir, method, draft, "tree-small", acceptance="coupled") as h:
+    kw = {"target_embeddings": str(target_dir)} if method == "dflash" else {}
+    async with services(target_dir, method, draft, "tree-small", acceptance="coupled",
+                        draft_kw=kw) as h:
         async with AsyncTreespecClient(h["addr"]) as c:
             outs = await asyncio.gather(*[
                 c.generate(prompt_ids=PROMPT, max_tokens=TOKENS, ignore_eos=True, **kw)
@@ -88,11 +91,12 @@ async def _mixed(target_dir, method, draft) -> tuple[list[list[int]], int]:
 
 
 def test_a_mixed_batch_gives_the_same_tokens_with_every_drafter(target_dir, draft_dir,
-                                                                head_dir):
+                                                                head_dir, dflash_small):
     """Greedy and sampling rows in one batch, each drafter drafting the sampling rows
     with their noise: the tokens are those of plain decode with the same seeds."""
     plain, _ = asyncio.run(_mixed(target_dir, None, None))
-    for method, draft in (("ngram", None), ("model", draft_dir), ("eagle3", head_dir)):
+    for method, draft in (("ngram", None), ("model", draft_dir), ("eagle3", head_dir),
+                          ("dflash", dflash_small)):
         got, accepted = asyncio.run(_mixed(target_dir, method, draft))
         assert got == plain, method
         assert method == "ngram" or accepted > 0, method

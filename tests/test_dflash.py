@@ -39,23 +39,32 @@ def target4(tmp_path_factory) -> Path:
                            heads=4, kv_heads=2, shard=True, tie=False)
 
 
-@pytest.fixture(scope="module")
-def dflash_dir(tmp_path_factory, target4) -> Path:
+def write_drafter(path: Path, target: Path, layer_ids: list[int], seed: int) -> Path:
     """A random drafter in z-lab's layout (attention weights wide, so that the block's
     positions, which differ only by position, draft different tokens; norms random so
     that swapping two shows)."""
-    tcfg = json.loads((target4 / "config.json").read_text())
+    tcfg = json.loads((target / "config.json").read_text())
     cfg = D.drafter_config(tcfg, layers=2, block_size=BLOCK,
-                           mask_token_id=tcfg["vocab_size"] - 1, layer_ids=LAYER_IDS)
-    torch.manual_seed(7)
+                           mask_token_id=tcfg["vocab_size"] - 1, layer_ids=layer_ids)
+    torch.manual_seed(seed)
     model = D.DFlashDrafter(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             wide = "_proj" in name and "mlp" not in name or name == "fc.weight"
             p.normal_(0, 1.0 if wide else 0.25) if p.dim() == 2 else p.uniform_(0.5, 1.5)
-    path = tmp_path_factory.mktemp("dflash")
     D.save_drafter(model, path, torch.float32)
     return path
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(tmp_path_factory, target4) -> Path:
+    return write_drafter(tmp_path_factory.mktemp("dflash"), target4, LAYER_IDS, seed=7)
+
+
+@pytest.fixture(scope="module")
+def dflash_small(tmp_path_factory, target_dir) -> Path:
+    """A drafter for the 2-layer test target (the sampling and coupled tests' target)."""
+    return write_drafter(tmp_path_factory.mktemp("dflash-small"), target_dir, [0], seed=8)
 
 
 def _proposer(path: Path, target: Path, env: str) -> DFlashProposer:

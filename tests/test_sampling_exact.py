@@ -24,6 +24,7 @@ from common.client import AsyncTreespecClient
 from common import rejection
 from inproc import services
 from kernels import reference
+from test_dflash import dflash_small  # noqa: F401  (fixture)
 from test_eagle3 import head_dir  # noqa: F401  (fixture)
 
 PROMPT = [5, 17, 40, 2, 66, 9]
@@ -93,8 +94,9 @@ def bh_rejects(pvalues: list[float], q: float = 0.05) -> int:
 
 async def _draws(target_dir, draft, method: str, s: dict, acceptance: str,
                  envelope: str) -> list[list[int]]:
+    kw = {"target_embeddings": str(target_dir)} if method == "dflash" else {}
     async with services(target_dir, method, draft, envelope, max_batch=64, num_blocks=2048,
-                        acceptance=acceptance) as h:
+                        acceptance=acceptance, draft_kw=kw) as h:
         async with AsyncTreespecClient(h["addr"]) as c:
             outs = []
             for first in range(SEED0, SEED0 + SAMPLES, 300):
@@ -123,17 +125,19 @@ def pvalues(target_dir, draft, method: str, acceptance: str, envelope: str,
 # acceptance, which is exact for any proposal made without the target's noise.
 CASES = [("model", "rejection", "tree-small", SETTINGS),
          ("eagle3", "rejection", "tree-small", SETTINGS[:1]),
+         ("dflash", "rejection", "tree-small", SETTINGS[1:2]),
          ("model", "coupled", "chain4", SETTINGS[2:]),
-         ("eagle3", "coupled", "tree-small", SETTINGS[1:2])]
+         ("eagle3", "coupled", "tree-small", SETTINGS[1:2]),
+         ("dflash", "coupled", "block8", SETTINGS[:1])]
 
 
 @pytest.mark.parametrize("method,acceptance,envelope,settings", CASES,
                          ids=[f"{m}-{a}-{e}" for m, a, e, _ in CASES])
 def test_speculative_samples_follow_the_exact_distribution(target_dir, draft_dir, head_dir,
-                                                           method, acceptance, envelope,
-                                                           settings):
+                                                           dflash_small, method, acceptance,
+                                                           envelope, settings):
     """The drafter proposes at every step and some of its nodes are accepted."""
-    draft = head_dir if method == "eagle3" else draft_dir
+    draft = {"eagle3": head_dir, "dflash": dflash_small}.get(method, draft_dir)
     assert bh_rejects(pvalues(target_dir, draft, method, acceptance, envelope, settings)) == 0
 
 
