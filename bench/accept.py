@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.model_paths import resolve_model  # noqa: E402
 
-PROPOSERS = {"ngram": None, "model": "tiny-code-draft", "eagle3": "tiny-code-eagle3"}
+PROPOSERS = {"ngram": None, "model": "tiny-code-draft", "eagle3": "tiny-code-eagle3",
+             "dflash": "tiny-code-dflash"}
 
 
 @dataclass
@@ -104,7 +105,8 @@ async def _config(target: str, method: str, draft: str | None, envelope: str,
     env = envelope_from(envelope)
     dserver, dport, _ = await draft_server.start(DraftConfig(
         method=method, envelope=env, model=draft, device=device,
-        draft_sampling=draft_sampling))
+        draft_sampling=draft_sampling,
+        target_embeddings=target if method == "dflash" else None))
     engine, _ = build_engine(VerifyConfig(model=target, draft=f"127.0.0.1:{dport}",
                                           device=device, step_deadline_ms=10_000,
                                           acceptance=acceptance))

@@ -19,6 +19,8 @@ from common.client import Collector, Completion, ServerInfo, TreespecClient, tok
 from common.launch import ServiceProcess, start_service
 
 TARGET, DRAFT = "tiny-code", "tiny-code-draft"
+DRAFTS = {"model": DRAFT, "ngram": None, "eagle3": "tiny-code-eagle3",
+          "dflash": "tiny-code-dflash"}
 # Repeated spans, so an n-gram proposer has something to find too.
 PROMPT = ("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\n" * 2
           + "def fib(n):\n")
@@ -77,9 +79,11 @@ def _report(spec: Completion, spec_s: float, plain: Completion, plain_s: float) 
 
 
 def add_arguments(m: argparse.ArgumentParser) -> None:
-    m.add_argument("--method", choices=["ngram", "model"], default="model",
-                   help=f"proposer (default model: {DRAFT})")
-    m.add_argument("--envelope", default="chain4", help="tree preset for the draft")
+    m.add_argument("--method", choices=list(DRAFTS), default="model",
+                   help=f"proposer (default model: {DRAFT}; eagle3 and dflash: the shipped "
+                        "tiny-code-eagle3 and tiny-code-dflash)")
+    m.add_argument("--envelope", help="tree preset for the draft (default chain4; dflash: "
+                                      "its block)")
     m.add_argument("--device", default="auto", help="device for both services")
     m.add_argument("--max-tokens", type=positive_int, default=64)
     m.add_argument("--startup-timeout", type=float, default=180.0)
@@ -87,15 +91,19 @@ def add_arguments(m: argparse.ArgumentParser) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     method = args.method
-    print(f"Using the shipped checkpoints {TARGET} (target) and {DRAFT} (draft).")
+    draft = DRAFTS[method] or "none: prompt lookup"
+    print(f"Using the shipped checkpoints {TARGET} (target) and {draft} (draft).")
     print(f"Proposer: {method}.")
     services: list[ServiceProcess] = []
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        draft_args = ["draft", "--method", method, "--envelope", args.envelope,
-                      "--port", "0", "--device", args.device]
-        if method == "model":
-            draft_args += ["--model", DRAFT]
+        draft_args = ["draft", "--method", method, "--port", "0", "--device", args.device]
+        if args.envelope:
+            draft_args += ["--envelope", args.envelope]
+        if DRAFTS[method]:
+            draft_args += ["--model", DRAFTS[method]]
+        if method in ("eagle3", "dflash"):          # their embeddings are the target's
+            draft_args += ["--target-embeddings", TARGET]
         services.append(start_service("draft", draft_args, args.startup_timeout))
         draft_addr = services[0].addr
         print(f"draft service listening on {draft_addr} (pid {services[0].proc.pid})")

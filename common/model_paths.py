@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "checkpoints"
-SHIPPED_NAMES = ("tiny-code", "tiny-code-draft", "tiny-code-eagle3")
+SHIPPED_NAMES = ("tiny-code", "tiny-code-draft", "tiny-code-eagle3", "tiny-code-dflash")
 
 
 def resolve_model(name_or_dir: str) -> Path:

@@ -59,6 +59,23 @@ class Qwen3Layer(nn.Module):
         return ops.linear(ops.linear_silu_mul(h, self.gate_up.weight), self.down.weight), residual
 
 
+def layer_tensors(take, src: str, dst: str, bias: bool = False) -> dict[str, torch.Tensor]:
+    """One decoder layer's HF tensors (names under src, e.g. "model.layers.3.") as
+    Qwen3Layer's under dst, q/k/v and gate/up fused; take(name) fetches a tensor."""
+    a, m = src + "self_attn.", src + "mlp."
+    own = {dst + "input_norm": take(src + "input_layernorm.weight"),
+           dst + "post_norm": take(src + "post_attention_layernorm.weight"),
+           dst + "qkv.weight": torch.cat([take(a + n + "_proj.weight") for n in "qkv"]),
+           dst + "q_norm": take(a + "q_norm.weight"), dst + "k_norm": take(a + "k_norm.weight"),
+           dst + "o_proj.weight": take(a + "o_proj.weight"),
+           dst + "gate_up.weight": torch.cat([take(m + "gate_proj.weight"),
+                                              take(m + "up_proj.weight")]),
+           dst + "down.weight": take(m + "down_proj.weight")}
+    if bias:
+        own[dst + "qkv.bias"] = torch.cat([take(a + n + "_proj.bias") for n in "qkv"])
+    return own
+
+
 class Qwen3Model(nn.Module):
     """Embeddings, decoder layers, final norm and LM head of a Qwen3 checkpoint."""
 
@@ -94,19 +111,8 @@ class Qwen3Model(nn.Module):
         own["lm_head.weight"] = (sd["lm_head.weight"] if "lm_head.weight" in sd
                                  and not self.spec.tie_word_embeddings else own["embed.weight"])
         for i in range(self.spec.num_layers):
-            p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            o = f"layers.{i}."
-            own[o + "input_norm"] = take(p + "input_layernorm.weight")
-            own[o + "post_norm"] = take(p + "post_attention_layernorm.weight")
-            own[o + "qkv.weight"] = torch.cat([take(a + n + "_proj.weight") for n in "qkv"])
-            if self.spec.attention_bias:
-                own[o + "qkv.bias"] = torch.cat([take(a + n + "_proj.bias") for n in "qkv"])
-            own[o + "q_norm"] = take(a + "q_norm.weight")
-            own[o + "k_norm"] = take(a + "k_norm.weight")
-            own[o + "o_proj.weight"] = take(a + "o_proj.weight")
-            own[o + "gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"),
-                                                   take(m + "up_proj.weight")])
-            own[o + "down.weight"] = take(m + "down_proj.weight")
+            own.update(layer_tensors(take, f"model.layers.{i}.", f"layers.{i}.",
+                                     self.spec.attention_bias))
         own = {k: v.to(device=device, dtype=dtype) for k, v in own.items()}
         self.load_state_dict(own, strict=False, assign=True)
         self.inv_freq = rope_inv_freq(self.spec, device)

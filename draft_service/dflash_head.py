@@ -41,7 +41,7 @@ from common.forward_batch import ForwardBatch
 from common.kv_cache import PagedKVCache
 from common.model_config import Qwen3Spec
 from common.model_paths import SHIPPED_NAMES, resolve_model
-from common.qwen3 import Qwen3Layer, rope_inv_freq
+from common.qwen3 import Qwen3Layer, layer_tensors, rope_inv_freq
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -132,16 +132,7 @@ class DFlashHead(nn.Module):
                "fc.weight": take("fc.weight"), "hidden_norm": take("hidden_norm.weight"),
                "norm": take("norm.weight")}
         for i in range(self.spec.layers.num_layers):
-            p, a, m, o = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp.", f"layers.{i}."
-            own[o + "input_norm"] = take(p + "input_layernorm.weight")
-            own[o + "post_norm"] = take(p + "post_attention_layernorm.weight")
-            own[o + "qkv.weight"] = torch.cat([take(a + n + "_proj.weight") for n in "qkv"])
-            own[o + "q_norm"] = take(a + "q_norm.weight")
-            own[o + "k_norm"] = take(a + "k_norm.weight")
-            own[o + "o_proj.weight"] = take(a + "o_proj.weight")
-            own[o + "gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"),
-                                                   take(m + "up_proj.weight")])
-            own[o + "down.weight"] = take(m + "down_proj.weight")
+            own.update(layer_tensors(take, f"layers.{i}.", f"layers.{i}."))
         want = {k: tuple(v.shape) for k, v in self.state_dict().items()}
         for name, t in own.items():
             if tuple(t.shape) != want[name]:

@@ -119,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--only", choices=["dflash"],
                    help="train only this drafter, against the target in --base")
     p.add_argument("--base", help="--only's checkpoints dir (holding tiny-code)")
+    p.add_argument("--seq-len", type=int, default=None, help="training window length")
+    p.add_argument("--dflash-batch", type=int, default=None, help="windows per DFlash step")
     p.add_argument("--gen-seqs", type=int, default=None,
                    help="target-greedy sequences generated for distillation (0: real text only)")
     p.add_argument("--eval-prompts", type=int, default=None)
@@ -144,6 +146,10 @@ def parse_args(argv: list[str] | None = None) -> Settings:
             stage = getattr(s, name)
             s = replace(s, **{name: replace(stage, steps=steps,
                                             warmup=min(stage.warmup, max(1, steps // 10)))})
+    if a.seq_len is not None:
+        s = replace(s, seq_len=a.seq_len)
+    if a.dflash_batch is not None:
+        s = replace(s, dflash_stage=replace(s.dflash_stage, batch=a.dflash_batch))
     for name in ("gen_seqs", "eval_prompts", "log_every", "eval_every"):
         if getattr(a, name) is not None:
             s = replace(s, **{name: getattr(a, name)})
