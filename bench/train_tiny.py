@@ -2,11 +2,14 @@
 
     python bench/train_tiny.py --out DIR [--device cuda] [--minutes-budget 6] [--seed 0]
     python bench/train_tiny.py --out DIR --tiny --max-files 20 --steps 30   # CPU smoke
+    python bench/train_tiny.py --out DIR --only dflash --base common/checkpoints
 
 Writes DIR/tiny-code (target, Qwen3 ~8 M params), DIR/tiny-code-draft (Qwen3 < 2 M),
 DIR/tiny-code-eagle3 (EAGLE-3 head, layout in bench/train_tiny/eagle3.py), each with
 config.json, model.safetensors, generation_config.json and the tokenizer, and
 DIR/TRAINING.json (settings, corpus, held-out files, losses, acceptance, wall time).
+With --only dflash: DIR/tiny-code-dflash alone, a DFlash drafter (layout in
+bench/train_tiny/dflash.py) for the target in --base, with its own TRAINING.json.
 
 Measured on one H200 (torch 2.11, transformers 5.17, Python 3.12 stdlib: 494 training
 files, 2.69 M tokens), default settings: 238 s in all (target 1000 steps 42 s, 4096 greedy

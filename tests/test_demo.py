@@ -34,13 +34,16 @@ def wait_gone(pids: list[int], timeout: float = 15.0) -> bool:
     return not any(alive(p) for p in pids)
 
 
-def test_demo_runs_and_reports():
-    proc = subprocess.run(cli_command("demo", "--max-tokens", "24", "--device", "cpu"),
+@pytest.mark.parametrize("method", ["model", "dflash"])
+def test_demo_runs_and_reports(method):
+    flags = [] if method == "model" else ["--method", method]
+    proc = subprocess.run(cli_command("demo", "--max-tokens", "24", "--device", "cpu", *flags),
                           capture_output=True, text=True, timeout=300, env=child_env(),
                           stdin=subprocess.DEVNULL)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
-    assert "shipped checkpoints tiny-code" in out and "Proposer: model." in out
+    assert "shipped checkpoints tiny-code" in out and f"Proposer: {method}." in out
+    assert f"tiny-code-{'draft' if method == 'model' else method} (draft)" in out
     assert re.search(r"^plain decode +[\d.]+ +24 +23 +0 +0 +1\.00 ", out, re.M), out
     assert re.search(r"^speculative +[\d.]+ +24 ", out, re.M), out
     assert "identical output with and without speculation: yes" in out

@@ -20,6 +20,7 @@ from common.checkpoint import load_state_dict
 from common.client import AsyncTreespecClient
 from common.forward_batch import build_forward_batch, chain_chunk
 from common.kv_cache import SeqPages
+from common.model_paths import SHIPPED_DIR
 from common.qwen3 import Qwen3Model
 from common.tree import PRESETS, ROOT, validate_tree
 from draft_service.config import DraftConfig
@@ -200,3 +201,25 @@ def test_training_rows_hold_independent_blocks(dflash_dir, target4):
         for i, a in enumerate((5, 17)):
             one = model(f[:, :a], torch.tensor([[a]]), blocks[None, i:i + 1], emb, head)[0, 0]
             torch.testing.assert_close(both[i], one, atol=1e-4, rtol=1e-4)
+
+
+SHIPPED = SHIPPED_DIR / "tiny-code-dflash"
+
+
+@pytest.mark.skipif(not (SHIPPED / "config.json").exists(),
+                    reason="the shipped tiny-code-dflash checkpoint is not there")
+def test_shipped_drafter_speculates_on_the_shipped_target():
+    target = SHIPPED_DIR / "tiny-code"
+    from transformers import AutoTokenizer
+    prompt = AutoTokenizer.from_pretrained(target).encode(
+        "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n")
+
+    async def go():
+        async with services(target, "dflash", SHIPPED, "block16",
+                            draft_kw={"target_embeddings": "tiny-code"}) as h:
+            async with AsyncTreespecClient(h["addr"]) as c:
+                return await c.generate(prompt_ids=prompt, max_tokens=32, ignore_eos=True)
+    out = asyncio.run(go())
+    assert out.token_ids == greedy_reference(target, prompt, 32)
+    s = out.stats
+    assert (s["accepted_tokens"] + s["steps"]) / s["steps"] > 1.5

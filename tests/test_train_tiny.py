@@ -193,3 +193,21 @@ def test_simulated_acceptance_worked_example_and_self_draft(trained):
     assert bool((acc == 4).all())  # the target drafting for itself is always accepted
     cached = greedy_continue(target, prompts, 14, use_cache=True)
     assert torch.equal(cached, cont)
+
+
+def test_dflash_trains_against_an_existing_target_and_serves(trained, tmp_path):
+    """--only dflash: a drafter for the target in --base, in z-lab's layout, that the
+    draft service loads with that target's embedding and LM head."""
+    from draft_service.dflash_head import DFlashHead
+    cmd = [sys.executable, str(ROOT / "bench" / "train_tiny.py"), "--out", str(tmp_path),
+           "--device", "cpu", "--tiny", "--max-files", "20", "--steps", "8",
+           "--minutes-budget", "0.5", "--gen-seqs", "4", "--eval-prompts", "2",
+           "--only", "dflash", "--base", str(trained)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tokens/step (held-out, teacher-forced)" in proc.stdout
+    path = tmp_path / "tiny-code-dflash"
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 8
+    head = DFlashHead.from_pretrained(path, trained / "tiny-code")
+    assert head.spec.capture_layers == tuple(i + 1 for i in cfg["dflash_config"]["target_layer_ids"])

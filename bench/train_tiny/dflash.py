@@ -168,8 +168,9 @@ def drafter_config(target_cfg: dict, layers: int, block_size: int, mask_token_id
     """A DFlash config.json for a Qwen3 target's config dict (the target's attention
     shape and vocabulary, `layers` draft layers)."""
     keep = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings")
-    cfg = {k: target_cfg[k] for k in keep if k in target_cfg}
+            "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
+            "max_position_embeddings")
+    cfg = {k: target_cfg[k] for k in keep if target_cfg.get(k) is not None}
     cfg.update(architectures=["DFlashDraftModel"], model_type="qwen3",
                num_hidden_layers=layers,
                intermediate_size=intermediate or target_cfg["intermediate_size"],
