@@ -9,6 +9,11 @@ import torch
 from safetensors import safe_open
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit what loads it (a missing tensor, a wrong shape):
+    the CLI says it in one line."""
+
+
 def safetensor_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():

@@ -149,10 +149,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=about)
     getattr(module, add)(parser)
     args = parser.parse_args(argv[1:])
+    from common.checkpoint import CheckpointError
     from common.client import TreespecError
     try:
         return getattr(module, run)(args) or 0
-    except (ConfigError, NotImplementedError) as e:
+    except (ConfigError, NotImplementedError, CheckpointError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except TreespecError as e:

@@ -36,7 +36,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from common.checkpoint import load_state_dict
+from common.checkpoint import CheckpointError, load_state_dict
 from common.forward_batch import ForwardBatch
 from common.kv_cache import PagedKVCache
 from common.model_config import Qwen3Spec
@@ -126,7 +126,7 @@ class DFlashHead(nn.Module):
         """Take the DFlash tensor names, fusing q/k/v and gate/up; check shapes."""
         def take(name: str) -> torch.Tensor:
             if name not in sd:
-                raise KeyError(f"DFlash checkpoint lacks tensor {name!r}")
+                raise CheckpointError(f"DFlash checkpoint lacks tensor {name!r}")
             return sd[name]
         own = {"embed.weight": take("embed_tokens.weight"), "lm_head.weight": take("lm_head"),
                "fc.weight": take("fc.weight"), "hidden_norm": take("hidden_norm.weight"),
@@ -136,7 +136,7 @@ class DFlashHead(nn.Module):
         want = {k: tuple(v.shape) for k, v in self.state_dict().items()}
         for name, t in own.items():
             if tuple(t.shape) != want[name]:
-                raise ValueError(f"DFlash {name} has shape {tuple(t.shape)}, config.json "
+                raise CheckpointError(f"DFlash {name} has shape {tuple(t.shape)}, config.json "
                                  f"implies {want[name]}")
         own = {k: v.to(device=device, dtype=dtype) for k, v in own.items()}
         self.load_state_dict(own, strict=True, assign=True)

@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from common.checkpoint import load_state_dict, safetensor_files
+from common.checkpoint import CheckpointError, load_state_dict, safetensor_files
 from common.forward_batch import ForwardBatch
 from common.kv_cache import PagedKVCache
 from common.model_paths import SHIPPED_NAMES, resolve_model
@@ -126,7 +126,7 @@ class Eagle3Head(nn.Module):
 
         def take(name: str) -> torch.Tensor:
             if name not in sd:
-                raise KeyError(f"EAGLE-3 checkpoint lacks tensor {name!r}")
+                raise CheckpointError(f"EAGLE-3 checkpoint lacks tensor {name!r}")
             return sd[name]
 
         m, a = "midlayer.", "midlayer.self_attn."
@@ -145,17 +145,17 @@ class Eagle3Head(nn.Module):
                 "lm_head.weight": (s.draft_vocab_size, s.hidden_size)}
         for name, shape in want.items():
             if tuple(own[name].shape) != shape:
-                raise ValueError(f"EAGLE-3 {name} has shape {tuple(own[name].shape)}, "
+                raise CheckpointError(f"EAGLE-3 {name} has shape {tuple(own[name].shape)}, "
                                  f"config.json implies {shape}")
         own = {k: v.to(device=device, dtype=dtype) for k, v in own.items()}
         d2t = sd.get("d2t")
         if d2t is None:
             if s.draft_vocab_size != s.vocab_size:
-                raise KeyError("EAGLE-3 checkpoint lacks d2t (needed for a reduced vocabulary)")
+                raise CheckpointError("EAGLE-3 checkpoint lacks d2t (needed for a reduced vocabulary)")
             d2t = torch.zeros(s.draft_vocab_size, dtype=torch.long)
         ids = torch.arange(s.draft_vocab_size) + d2t.long()
         if d2t.shape != (s.draft_vocab_size,) or ids.min() < 0 or ids.max() >= s.vocab_size:
-            raise ValueError("EAGLE-3 d2t does not map the draft vocabulary into the target's")
+            raise CheckpointError("EAGLE-3 d2t does not map the draft vocabulary into the target's")
         own["d2t"] = d2t.long().to(device)
         self.load_state_dict(own, strict=True, assign=True)
         self.inv_freq = _inv_freq(s).to(device)

@@ -137,7 +137,7 @@ def test_verify_missing_checkpoint_exits_2(served, capsys):
     ["generate", "--addr", "h:1", "--prompt-ids", "1,x", "--max-tokens", "3"],
     ["generate", "--addr", "h:1", "--prompt-ids", "1", "--max-tokens", "0"],
     ["generate", "--addr", "h:1", "--prompt-ids", "1"],         # --max-tokens missing
-    ["demo", "--method", "eagle3"],
+    ["demo", "--method", "medusa"],
     ["bogus"],
     [],
 ])

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from bench.train_tiny import dflash as D
 from common import cli
-from common.checkpoint import load_state_dict
+from common.checkpoint import CheckpointError, load_state_dict
 from common.client import AsyncTreespecClient
 from common.forward_batch import build_forward_batch, chain_chunk
 from common.kv_cache import SeqPages
@@ -151,8 +151,13 @@ def test_bad_checkpoints_and_flags_are_named(dflash_dir, target4, tmp_path, monk
     del sd["layers.1.self_attn.k_norm.weight"]
     save_file(sd, str(broken / "model.safetensors"))
     (broken / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(KeyError, match="layers.1.self_attn.k_norm.weight"):
+    with pytest.raises(CheckpointError, match="layers.1.self_attn.k_norm.weight"):
         _proposer(broken, target4, "block8")
+    assert cli.main(["draft", "--method", "dflash", "--model", str(broken), "--port", "0",
+                     "--device", "cpu", "--target-embeddings", str(target4)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("lacks tensor 'layers.1.self_attn.k_norm.weight'")
+    assert not any("Traceback" in line for line in err)
     seen = {}
     monkeypatch.setattr(cli, "run_server", lambda module, c: seen.update(cfg=c))
     argv = ["draft", "--method", "dflash", "--model", str(dflash_dir), "--port", "0"]
