@@ -67,6 +67,8 @@ class SharedBuffer:
             raise OSError(f"not a treespec shared buffer: {path!r}")
         fd = os.open(path, os.O_RDWR)
         try:
+            if os.fstat(fd).st_size == 0:
+                raise OSError(f"{path} is empty")
             buf = cls(path, fd)
         finally:
             os.close(fd)
