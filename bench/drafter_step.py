@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from bench.drafters import checkpoints, pages, shape_args  # noqa: E402
 from bench.inproc_bench import replay_ms  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
+from common.sampling import SamplingParams, filter_width  # noqa: E402
 from common.tree import envelope_from  # noqa: E402
 from draft_service.config import DraftConfig  # noqa: E402
 from draft_service.proposer import RowSampling  # noqa: E402
@@ -128,7 +128,7 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
         prop.graphs = inner
         for name in ("_before_step", "_reserve", "_prefill", "_drafted"):
             prop.__dict__.pop(name, None)
-    family = "step-sampled" if sampled else "step"
+    family = ("step-sampled", filter_width([r.params for r in samp])) if sampled else "step"
     key = min((k for k in inner.buckets.graphs if k[0] == family and k[1] >= b),
               key=lambda k: (k[1], -k[2]), default=None)
     graph = inner.buckets.graphs[key] if key else None

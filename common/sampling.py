@@ -145,7 +145,7 @@ DRAFT_Q = 32
 def draft_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, min_p: torch.Tensor, seed: torch.Tensor,
                  position: torch.Tensor, rejection: torch.Tensor,
-                 ids: torch.Tensor | None = None
+                 ids: torch.Tensor | None = None, width: int = -1
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """How a drafter scores and picks the children of rows [R] with logits [R, V]:
     (log-probs, picks) [R, V] and the sparse q (ids, probs) [R, DRAFT_Q].
@@ -158,19 +158,24 @@ def draft_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     rejection row (rejection [R] bool) draws the same way from q, its filtered
     distribution cut to the DRAFT_Q likeliest tokens, and gets q back (other rows'
     q is zeros). ids [V]: the target's ids of the logits' columns (a drafter with a
-    vocabulary of its own); q's ids are target ids."""
+    vocabulary of its own); q's ids are target ids. width: as for filter_sparse (the
+    W candidates, their noise only; the result is the same)."""
     lp = logits.float().log_softmax(-1)
-    kept = filter_logits(logits.float(), temperature, top_k, top_p, min_p).log_softmax(-1)
+    vals, cols = filter_sparse(logits.float(), temperature, top_k, top_p, min_p, width)
+    kept = vals.log_softmax(-1)                                            # [R, W]
     top, at = kept.topk(min(DRAFT_Q, kept.shape[-1]), dim=-1)
     top = top - top.logsumexp(-1, keepdim=True)
-    cut = torch.full_like(kept, float("-inf")).scatter(-1, at, top)
     sampled = (temperature > 0).unsqueeze(-1)
     rej = rejection.unsqueeze(-1) & sampled
-    base = torch.where(rej, cut, torch.where(sampled, kept, lp))
-    noise = gumbel_noise(seed, position, logits.shape[-1] if ids is None else ids)
-    q_ids = (at if ids is None else ids[at]).to(torch.int32)
-    return (base, torch.where(sampled, base + noise, lp), torch.where(rej, q_ids, 0),
-            torch.where(rej, top.exp(), 0.0))
+    base = torch.where(rej, torch.full_like(kept, float("-inf")).scatter(-1, at, top), kept)
+    tid = cols if ids is None else ids[cols]                    # target ids of the W
+    pick = base + gumbel_noise(seed, position, tid)
+
+    def dense(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(sampled, torch.full_like(lp, float("-inf")).scatter(-1, cols, x), lp)
+
+    q_ids = tid.gather(-1, at).to(torch.int32)
+    return dense(base), dense(pick), torch.where(rej, q_ids, 0), torch.where(rej, top.exp(), 0.0)
 
 
 def as_tensors(params: list[SamplingParams], device: torch.device) -> list[torch.Tensor]:

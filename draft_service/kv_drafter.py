@@ -1,9 +1,8 @@
-"""The base of the drafters that run a network over their own paged KV cache (the
-draft model, the EAGLE-3 head), and the CUDA graphs their steps replay.
-
-A drafter of this kind forwards *units* of a sequence (the draft model: committed
-tokens; EAGLE-3: committed (token, target feature) pairs) into its KV cache and
-drafts from the newest one. Per sequence it keeps a SeqPages whose ``kv_len``
+"""The base of the drafters that run a network over their own paged KV cache (draft
+model, EAGLE-3, DFlash), and the CUDA graphs their steps replay. A drafter of this
+kind forwards *units* of a sequence (the draft model: committed tokens; EAGLE-3 and
+DFlash: committed (token, target feature) pairs) into its KV cache and drafts from
+the newest one. Per sequence it keeps a SeqPages whose ``kv_len``
 units have draft KV. One step over the batch:
 
 1. *reserve* pages for each row's units plus the tree's scratch; when pages run
@@ -19,9 +18,8 @@ units have draft KV. One step over the batch:
 
 A batch with a sampling row drafts it with the request's seeded noise
 (common.sampling.draft_scores through tree_build.Expansion). ``DraftGraphs`` pads a
-step to its batch bucket and replays one graph per (greedy or sampled, batch
-bucket, page bucket); on the CPU the same function runs eagerly over the same
-buffers.
+step to its batch bucket and replays one graph per (greedy or sampled with its filter
+width, batch bucket, page bucket); on the CPU the same function runs eagerly.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ from common.block_manager import OutOfPages
 from common.devices import bind_device, pick_device, pick_dtype
 from common.graph_buckets import BATCH_BUCKETS, BucketedGraphs, bucket
 from common.kv_cache import PagedKVCache, SeqPages
-from common.sampling import GREEDY, SamplingParams, as_tensors
+from common.sampling import GREEDY, TOPK_FIRST, SamplingParams, as_tensors, filter_width
 from common.tree import TreeBatch, TreeEnvelope
 from draft_service.proposer import RowSampling
 
@@ -69,10 +67,10 @@ class DraftGraphs:
     """A drafter's step ``fn(tokens [B, C] int64, count [B] int32, ctx0 [B] int32,
     table [B, P] int32, *extras [B, C, ...], sampling=None)`` captured per (batch
     bucket, page bucket), and again with sampling (each row's [temperature, top_k,
-    top_p, min_p, seed] and rejection flag [B]; padding rows greedy) for batches
-    where a row samples: row b's first count[b] units are written from ctx0[b] on,
-    the rest is padding. A sampled step's last two outputs are the trees' q_ids and
-    q_probs."""
+    top_p, min_p, seed] and rejection flag [B], padding rows greedy, then the batch's
+    filter width, a constant of the graph) for batches where a row samples: row b's
+    first count[b] units are written from ctx0[b] on, the rest is padding. A sampled
+    step's last two outputs are the trees' q_ids and q_probs."""
 
     def __init__(self, cache: PagedKVCache, catch_up_len: int,
                  fn: Callable[..., tuple[torch.Tensor, ...]], extras: list[Extra],
@@ -104,15 +102,16 @@ class DraftGraphs:
             x.view(b * c, *shape)[at] = torch.cat([rows[k] for rows in new_extras])
             extras.append(x)
 
-        per_row = []
+        per_row, width = [], 0
         if sampling is not None:
-            rows = sampling + [None] * (b - real)
-            per_row = _per_row([r.params if r else GREEDY for r in rows],
-                               [bool(r and r.rejection) for r in rows], dev)
-        out = self._graph(b, p, per_row)(tokens, count, ctx0, table, *extras, *per_row)
+            params = [r.params if r else GREEDY for r in sampling] + [GREEDY] * (b - real)
+            per_row = _per_row(params, [bool(r and r.rejection) for r in sampling]
+                               + [False] * (b - real), dev)
+            width = filter_width(params)
+        out = self._graph(b, p, per_row, width)(tokens, count, ctx0, table, *extras, *per_row)
         return tuple(x[:real].clone() for x in out)
 
-    def _graph(self, b: int, p: int, per_row: list[torch.Tensor]):
+    def _graph(self, b: int, p: int, per_row: list[torch.Tensor], width: int = 0):
         """The step's graph at batch bucket b and page bucket p (sampled when per_row
         holds the rows' sampling tensors), captured on first use."""
         gb, dev, c = self.buckets, self.cache.device, self.catch_up_len
@@ -128,15 +127,16 @@ class DraftGraphs:
         n = 4 + len(self.extras)
 
         def fn(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return self.fn(*xs[:n], sampling=list(xs[n:]) or None)
+            return self.fn(*xs[:n], sampling=[*xs[n:], width] if per_row else None)
 
-        return gb.get("step-sampled" if per_row else "step", b, p, example, fn)
+        return gb.get(("step-sampled", width) if per_row else "step", b, p, example, fn)
 
     def capture_all(self, max_batch: int) -> None:
-        """Both families at every batch bucket to max_batch's, smallest page bucket."""
+        """Every family (greedy; sampled from the top-k first or the whole vocabulary)
+        at every batch bucket to max_batch's, smallest page bucket."""
         greedy = _per_row([GREEDY], [False], self.cache.device)
-        for per_row in ([], greedy):
-            self._graph(bucket(max_batch), self.buckets.min_pages, per_row)
+        for per_row, width in (([], 0), (greedy, TOPK_FIRST), (greedy, -1)):
+            self._graph(bucket(max_batch), self.buckets.min_pages, per_row, width)
 
 
 def prefill_parts(rows: list[tuple[DraftSeq, int, int]], limit: int

@@ -33,14 +33,15 @@ def scores(logits: torch.Tensor, sampling: list[torch.Tensor] | None, position: 
     """(log-probs, picks, q) of logits [B, K, V] (or [B, V]) whose tokens would sit at
     position [B] of their sequences (common.sampling.draft_scores): picks and q only
     when the batch samples (sampling: each row's [temperature, top_k, top_p, min_p,
-    seed] (common.sampling.as_tensors) and rejection flag), q as (ids, probs)."""
+    seed] (common.sampling.as_tensors) and rejection flag, then the batch's filter
+    width, an int: common.sampling.filter_width), q as (ids, probs)."""
     if sampling is None:
         return logits.float().log_softmax(-1), None, None
     k = logits.shape[1] if logits.dim() == 3 else 1
-    rows = [x.repeat_interleave(k) for x in (*sampling, position)]
+    rows = [x.repeat_interleave(k) for x in (*sampling[:6], position)]
     params, rejection, pos = rows[:5], rows[5], rows[6]
     lp, pick, qi, qp = draft_scores(logits.reshape(-1, logits.shape[-1]), *params, pos,
-                                    rejection, ids=ids)
+                                    rejection, ids=ids, width=sampling[6])
     lead = logits.shape[:-1]
     return lp.view(logits.shape), pick.view(logits.shape), (qi.view(*lead, -1),
                                                             qp.view(*lead, -1))

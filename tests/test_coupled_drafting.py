@@ -15,7 +15,7 @@ import asyncio
 import torch
 
 from common.client import AsyncTreespecClient
-from common.sampling import draft_scores, draw
+from common.sampling import TOPK_FIRST, draft_scores, draw
 from inproc import services
 from test_dflash import dflash_small  # noqa: F401  (fixture)
 from test_eagle3 import head_dir  # noqa: F401  (fixture)
@@ -51,6 +51,25 @@ def test_the_first_pick_is_the_targets_draw_and_ids_key_the_noise():
     noise = gumbel_noise(rows[4], rows[5], 40)[:, sub]
     kept = sub_pick[0] - noise[0]
     assert torch.allclose(kept - kept.logsumexp(0), logits[0, sub].log_softmax(0), atol=1e-5)
+
+
+def test_top_k_first_drafting_scores_as_the_whole_vocabulary():
+    """With every drawing row's top_k <= the width the drafter scores W candidates
+    and their noise only: the same log-probs, picks and q as over the vocabulary."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 300, generator=g) * 2
+    rows = [torch.tensor([1.0, 0.7, 0.0, 1.3, 0.6, 1.0, 0.9, 0.0]),
+            torch.tensor([5, 12, 0, 20, 1, 3, 20, 0]), torch.rand(8, generator=g) * 0.5 + 0.5,
+            torch.rand(8, generator=g) * 0.1, torch.arange(8) * 7, torch.arange(8) + 40]
+    for rej in (torch.zeros(8, dtype=torch.bool), torch.arange(8) % 2 == 0):
+        for ids in (None, torch.randperm(1000, generator=g)[:300]):
+            dense = draft_scores(logits, *rows, rej, ids=ids)
+            sparse = draft_scores(logits, *rows, rej, ids=ids, width=TOPK_FIRST)
+            for x, y in zip(dense[:2], sparse[:2]):
+                torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(dense[3], sparse[3])
+            live = dense[3] > 0                     # a zero-probability q entry's id is moot
+            assert torch.equal(dense[2][live], sparse[2][live])
 
 
 async def _run(target_dir, draft_sampling: str) -> tuple[list[list[int]], float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from common.graph_buckets import BATCH_BUCKETS, BucketedGraphs
 from common.kv_cache import SeqPages
+from common.sampling import TOPK_FIRST
 from common.tree import envelope_from
 from draft_service.config import DraftConfig
 from draft_service.model_proposer import ModelProposer
@@ -22,13 +23,13 @@ def test_a_decoding_batch_keeps_one_page_bucket(draft_dir):
     assert gb.shape([SeqPages(pages=[0] * 257)])[1] == 512
 
 
-def test_capture_all_covers_every_batch_bucket_in_both_families(draft_dir):
+def test_capture_all_covers_every_batch_bucket_in_every_family(draft_dir):
     prop = ModelProposer.from_config(DraftConfig(
         method="model", model=str(draft_dir), envelope=envelope_from("chain4"), device="cpu",
         kernels="reference", num_blocks=64, block_size=4))
     prop.graphs.capture_all(16)
     want = [b for b in BATCH_BUCKETS if b <= 16]
-    for family in ("step", "step-sampled"):
+    for family in ("step", ("step-sampled", TOPK_FIRST), ("step-sampled", -1)):
         assert prop.graphs.buckets.batches(family) == want
 
 
