@@ -160,8 +160,7 @@ def _tree_attention_kernel(
         visible = sees_ctx[:, None] & j_ok[None, :]
         m_i, l_i, acc = _online_update(q, k, v, visible, m_i, l_i, acc, qk_scale, PREC, DOT_F32)
 
-    # the chunk itself: ancestors-or-self, in the last split
-    if split == NUM_SPLITS - 1:
+    if split == NUM_SPLITS - 1:             # the chunk itself: ancestors-or-self
         t_end = tl.minimum(t0 + BT, q_len)
         not_chain = q_len * 0
         for c0 in range(0, t_end, CHUNK_N):
@@ -188,8 +187,9 @@ def _tree_attention_kernel(
                 shift = (jc - n0).to(tl.int64)
                 visible = ((bits[:, None] >> shift[None, :]) & 1) != 0
                 visible = visible | (jc[None, :] == tok[:, None])
-                kp = tl.load(par_chunk + jc, mask=j_ok, other=-2)
-                visible = visible | ((row_parent == -3)[:, None] & (kp != -2)[None, :])
+                if vmax((row_parent == -3).to(tl.int32), 0) > 0:
+                    kp = tl.load(par_chunk + jc, mask=j_ok, other=-2)
+                    visible = visible | ((row_parent == -3)[:, None] & (kp != -2)[None, :])
             visible = visible & j_ok[None, :] & row_ok[:, None]
             m_i, l_i, acc = _online_update(q, k, v, visible, m_i, l_i, acc, qk_scale, PREC, DOT_F32)
 

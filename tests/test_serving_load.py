@@ -2,8 +2,9 @@
 32 concurrent 1024-token prompts (what the H200 benchmark sends) on the shipped tiny
 models. No step may go without speculation because of the engine's own limits (a
 message over the frame limit, draft KV pages, a deadline, the draft going busy), the
-only plain steps are n-gram's empty trees and EAGLE-3's while a prompt's hidden states
-are still crossing to the draft, and every output equals plain decode."""
+only plain steps are n-gram's empty trees and EAGLE-3's and DFlash's while a prompt's
+hidden states are still crossing to the draft, and every output equals plain decode
+(one plain run serves every proposer's comparison)."""
 
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ PROMPTS = [torch.randint(1, 6144, (1024,), generator=torch.Generator().manual_se
            for i in range(32)]
 MAX_TOKENS = 6
 # what may leave a speculating step without a tree, by proposer
-ALLOWED = {"ngram": {"empty_tree"}, "model": set(), "eagle3": {"syncing"}}
-DRAFTS = {"ngram": None, "model": "tiny-code-draft", "eagle3": "tiny-code-eagle3"}
+ALLOWED = {"ngram": {"empty_tree"}, "model": set(), "eagle3": {"syncing"},
+           "dflash": {"syncing"}}
+DRAFTS = {"ngram": None, "model": "tiny-code-draft", "eagle3": "tiny-code-eagle3",
+          "dflash": "tiny-code-dflash"}
 
 
 async def _all(addr: str, plain: bool) -> list:
     async with AsyncTreespecClient(addr, timeout=600) as c:
-        for _ in range(300):                      # the load starts on a connected draft
+        for _ in range(0 if plain else 300):      # the load starts on a connected draft
             if (await c.info()).draft_connected:
                 break
             await asyncio.sleep(0.1)
@@ -36,19 +39,25 @@ async def _all(addr: str, plain: bool) -> list:
                                       for p in PROMPTS])
 
 
-@pytest.mark.parametrize("method", ["ngram", "model", "eagle3"])
-def test_32_long_prompts_at_once(method):
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    with services.start_verify("tiny-code") as verify:
+        return [o.token_ids for o in asyncio.run(_all(verify.addr, plain=True))]
+
+
+@pytest.mark.parametrize("method", ["ngram", "model", "eagle3", "dflash"])
+def test_32_long_prompts_at_once(method, plain):
     # CPU forwards over 32k tokens take seconds: the deadline is not what this tests
-    with services.stack("tiny-code", method, DRAFTS[method],
+    extra = ("--target-embeddings", "tiny-code") if method in ("eagle3", "dflash") else ()
+    with services.stack("tiny-code", method, DRAFTS[method], draft_args=extra,
                         verify_args=("--metrics-port", "0", "--step-deadline-ms", "120000")
                         ) as (draft, verify):
         spec = asyncio.run(_all(verify.addr, plain=False))
-        plain = asyncio.run(_all(verify.addr, plain=True))
         url = re.search(r"metrics on (http://\S+/metrics)", verify.output()).group(1)
         reasons = {dict(labels)["reason"]: v for (name, labels), v in scrape(url).items()
                    if name == "treespec:spec_decode_fallback_steps_total"}
         log = draft.output() + verify.output()
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in spec] == plain
     assert {r for r, v in reasons.items() if v} <= ALLOWED[method], (reasons, log)
     assert sum(o.stats["draft_tokens"] for o in spec) > 0 or method == "ngram"
     assert "exceeds" not in log and "ran out" not in log, log

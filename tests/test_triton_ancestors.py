@@ -79,7 +79,7 @@ def test_block_queries_see_their_whole_block(b, t):
     kc, vc = paged(nb, 4, 1, 16)
     q = torch.randn(int(cu[-1]), 2, 16, generator=g).to(DEV)
     want = ref.paged_tree_attention(q, kc, vc, table, ctx, cu, par, 0.3)
-    for anc in (got, None):
+    for anc in (got, None) if t < 64 else (got,):        # walking parents: the short case
         out = attn_mod.paged_tree_attention(q, kc, vc, table, ctx, cu, par, 0.3, anc,
                                             block_m=32, block_n=16, num_splits=2)
         torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
