@@ -30,10 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.model_paths import resolve_model  # noqa: E402
-
-PROPOSERS = {"ngram": None, "model": "tiny-code-draft", "eagle3": "tiny-code-eagle3",
-             "dflash": "tiny-code-dflash"}
+from common.model_paths import SHIPPED_DRAFTS, resolve_model  # noqa: E402
 
 
 @dataclass
@@ -145,7 +142,7 @@ def run(target: str, envelopes: list[str], methods: list[str], files: int, promp
     rows = []
     for method in methods:
         for env in envelopes:
-            draft = str(resolve_model(PROPOSERS[method])) if PROPOSERS[method] else None
+            draft = str(resolve_model(SHIPPED_DRAFTS[method])) if SHIPPED_DRAFTS[method] else None
             r = asyncio.run(_config(str(path), method, draft, env, prompts, max_tokens, device,
                                     sampling or {}, draft_sampling, acceptance))
             rows.append(dict(proposer=method, envelope=env,

@@ -14,6 +14,15 @@ class CheckpointError(ValueError):
     the CLI says it in one line."""
 
 
+def tensor_taker(sd: dict[str, torch.Tensor], owner: str):
+    """take(name): sd[name], or a CheckpointError saying the owner's checkpoint lacks it."""
+    def take(name: str) -> torch.Tensor:
+        if name not in sd:
+            raise CheckpointError(f"{owner} lacks tensor {name!r}")
+        return sd[name]
+    return take
+
+
 def safetensor_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():

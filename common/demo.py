@@ -17,10 +17,9 @@ import time
 from common.cli import positive_int
 from common.client import Collector, Completion, ServerInfo, TreespecClient, tokens_per_step
 from common.launch import ServiceProcess, start_service
+from common.model_paths import SHIPPED_DRAFTS
 
-TARGET, DRAFT = "tiny-code", "tiny-code-draft"
-DRAFTS = {"model": DRAFT, "ngram": None, "eagle3": "tiny-code-eagle3",
-          "dflash": "tiny-code-dflash"}
+TARGET, DRAFT = "tiny-code", SHIPPED_DRAFTS["model"]
 # Repeated spans, so an n-gram proposer has something to find too.
 PROMPT = ("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\n" * 2
           + "def fib(n):\n")
@@ -79,7 +78,7 @@ def _report(spec: Completion, spec_s: float, plain: Completion, plain_s: float) 
 
 
 def add_arguments(m: argparse.ArgumentParser) -> None:
-    m.add_argument("--method", choices=list(DRAFTS), default="model",
+    m.add_argument("--method", choices=list(SHIPPED_DRAFTS), default="model",
                    help=f"proposer (default model: {DRAFT}; eagle3 and dflash: the shipped "
                         "tiny-code-eagle3 and tiny-code-dflash)")
     m.add_argument("--envelope", help="tree preset for the draft (default chain4; dflash: "
@@ -91,7 +90,7 @@ def add_arguments(m: argparse.ArgumentParser) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     method = args.method
-    draft = DRAFTS[method] or "none: prompt lookup"
+    draft = SHIPPED_DRAFTS[method] or "none: prompt lookup"
     print(f"Using the shipped checkpoints {TARGET} (target) and {draft} (draft).")
     print(f"Proposer: {method}.")
     services: list[ServiceProcess] = []
@@ -100,8 +99,8 @@ def run_demo(args: argparse.Namespace) -> int:
         draft_args = ["draft", "--method", method, "--port", "0", "--device", args.device]
         if args.envelope:
             draft_args += ["--envelope", args.envelope]
-        if DRAFTS[method]:
-            draft_args += ["--model", DRAFTS[method]]
+        if SHIPPED_DRAFTS[method]:
+            draft_args += ["--model", SHIPPED_DRAFTS[method]]
         if method in ("eagle3", "dflash"):          # their embeddings are the target's
             draft_args += ["--target-embeddings", TARGET]
         services.append(start_service("draft", draft_args, args.startup_timeout))

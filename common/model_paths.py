@@ -6,6 +6,9 @@ from pathlib import Path
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "checkpoints"
 SHIPPED_NAMES = ("tiny-code", "tiny-code-draft", "tiny-code-eagle3", "tiny-code-dflash")
+# each draft method's shipped checkpoint for the shipped target (ngram needs none)
+SHIPPED_DRAFTS = {"model": "tiny-code-draft", "ngram": None, "eagle3": "tiny-code-eagle3",
+                  "dflash": "tiny-code-dflash"}
 
 
 def resolve_model(name_or_dir: str) -> Path:

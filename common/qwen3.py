@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from common.checkpoint import CheckpointError, load_state_dict
+from common.checkpoint import load_state_dict, tensor_taker
 from common.forward_batch import ForwardBatch
 from common.kv_cache import PagedKVCache
 from common.model_config import Qwen3Spec
@@ -101,10 +101,7 @@ class Qwen3Model(nn.Module):
     def load_hf_state(self, sd: dict[str, torch.Tensor], dtype: torch.dtype,
                       device: torch.device) -> None:
         """Take HF Qwen3ForCausalLM tensor names, fusing qkv and gate/up."""
-        def take(name: str) -> torch.Tensor:
-            if name not in sd:
-                raise CheckpointError(f"checkpoint lacks tensor {name!r}")
-            return sd[name]
+        take = tensor_taker(sd, "checkpoint")
 
         own: dict[str, torch.Tensor] = {"embed.weight": take("model.embed_tokens.weight"),
                                         "norm": take("model.norm.weight")}

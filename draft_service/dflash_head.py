@@ -36,11 +36,11 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from common.checkpoint import CheckpointError, load_state_dict
+from common.checkpoint import CheckpointError, load_state_dict, tensor_taker
 from common.forward_batch import ForwardBatch
 from common.kv_cache import PagedKVCache
 from common.model_config import Qwen3Spec
-from common.model_paths import SHIPPED_NAMES, resolve_model
+from common.model_paths import resolve_model
 from common.qwen3 import Qwen3Layer, layer_tensors, rope_inv_freq
 
 
@@ -124,10 +124,7 @@ class DFlashHead(nn.Module):
     def load_checkpoint(self, sd: dict[str, torch.Tensor], dtype: torch.dtype,
                         device: torch.device) -> None:
         """Take the DFlash tensor names, fusing q/k/v and gate/up; check shapes."""
-        def take(name: str) -> torch.Tensor:
-            if name not in sd:
-                raise CheckpointError(f"DFlash checkpoint lacks tensor {name!r}")
-            return sd[name]
+        take = tensor_taker(sd, "DFlash checkpoint")
         own = {"embed.weight": take("embed_tokens.weight"), "lm_head.weight": take("lm_head"),
                "fc.weight": take("fc.weight"), "hidden_norm": take("hidden_norm.weight"),
                "norm": take("norm.weight")}
@@ -192,10 +189,10 @@ def checked_source(path: str | Path, target: str | Path | None) -> tuple[DFlashS
     if target is None:
         raise ValueError("a DFlash drafter has no embedding or LM head of its own: pass "
                          "--target-embeddings with the target's checkpoint dir")
-    src = resolve_model(str(target)) if str(target) in SHIPPED_NAMES else Path(target)
-    if not (src / "config.json").exists():
-        raise ValueError(f"--target-embeddings {target}: not a checkpoint dir")
-    return spec, src
+    try:
+        return spec, resolve_model(str(target))
+    except FileNotFoundError as e:
+        raise ValueError(f"--target-embeddings: {e}") from None
 
 
 def _target_io(src: Path) -> dict[str, torch.Tensor]:

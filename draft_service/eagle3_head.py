@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from common.checkpoint import CheckpointError, load_state_dict, safetensor_files
+from common.checkpoint import CheckpointError, load_state_dict, safetensor_files, tensor_taker
 from common.forward_batch import ForwardBatch
 from common.kv_cache import PagedKVCache
 from common.model_paths import SHIPPED_NAMES, resolve_model
@@ -124,10 +124,7 @@ class Eagle3Head(nn.Module):
         """Take the EAGLE-3 tensor names, fusing q/k/v and gate/up; check d2t."""
         s = self.spec
 
-        def take(name: str) -> torch.Tensor:
-            if name not in sd:
-                raise CheckpointError(f"EAGLE-3 checkpoint lacks tensor {name!r}")
-            return sd[name]
+        take = tensor_taker(sd, "EAGLE-3 checkpoint")
 
         m, a = "midlayer.", "midlayer.self_attn."
         own = {"embed.weight": take("embed_tokens.weight"), "fc.weight": take("fc.weight"),
