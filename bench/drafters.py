@@ -123,7 +123,8 @@ def main() -> None:
     ap = shape_args(__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--configs", default=CONFIGS,
-                    help="proposer:envelope[:shadow accept], comma-separated")
+                    help="proposer:envelope[:shadow accept[:mode]], comma-separated (a "
+                         "mode given runs that mode only; the key gains @accept)")
     ap.add_argument("--modes", default="random,shadow")
     ap.add_argument("--shadow-accept", type=int, default=3,
                     help="draft tokens the shadow replay has accepted a step (3: 4 tokens a step)")
@@ -164,16 +165,16 @@ def main() -> None:
         cont.write_text(json.dumps([{"prompt": p, "continuation": c} for b in batches
                                     for p, c in zip(sets[b], res["plain"][str(b)]["ids"])]))
         for config in a.configs.split(","):
-            method, envelope, *accept = config.split(":")
-            for mode in a.modes.split(","):
-                key = f"{method}:{envelope}:{mode}"
+            method, envelope, *rest = config.split(":")
+            accept = int(rest[0]) if rest and rest[0] else a.shadow_accept
+            for mode in rest[1:] or a.modes.split(","):
+                key = f"{method}:{envelope}:{mode}" + (f"@{rest[0]}" if rest and rest[0] else "")
                 if time.monotonic() - t0 > a.budget_s:
                     res.setdefault("skipped", []).append(key)
                     continue
                 try:
                     res["rows"][key] = run_config(method, envelope, mode, port, work, a,
-                                                  v, url, sets, res["plain"], cont,
-                                                  int(accept[0]) if accept else a.shadow_accept)
+                                                  v, url, sets, res["plain"], cont, accept)
                 except Exception as e:    # one broken configuration must not cost the rest
                     res["errors"][key] = f"{type(e).__name__}: {e}"
                     print(f"{key}: {res['errors'][key]}", flush=True)

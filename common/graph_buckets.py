@@ -46,6 +46,7 @@ class BucketedGraphs:
         self.min_pages = min_pages       # the smallest page bucket
         self.scratch = cache.blocks.allocate(1)[0]        # padding rows write here
         self.graphs: dict[tuple, StaticGraph] = {}
+        self.captures = 0                # graphs made so far (a step that made one is slow)
         self._pool: object | None = None
 
     def get(self, family: Hashable, b: int, p: int, example: Example, fn: Fn) -> StaticGraph:
@@ -59,6 +60,7 @@ class BucketedGraphs:
                 g = StaticGraph(fn, example(bb), capture=self.capture, pool=self._pool)
             self._pool = g.pool or self._pool
             self.graphs[(family, bb, p)] = g
+            self.captures += 1
         if new and self.graphs[(family, b, p)].graph is not None:
             log.info("captured %s at batch buckets %s, %d pages: %.2f s", family, new, p,
                      time.perf_counter() - t0)

@@ -33,6 +33,7 @@ class SpecRequest:
     seqs: list[SeqUpdate]
     released: list[int] = field(default_factory=list)
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C carrier; {} = untraced
+    max_depth: int = 0          # nodes deeper are not verified (0: the whole envelope)
 
 
 @dataclass

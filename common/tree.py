@@ -105,9 +105,57 @@ class TreeBatch:
                 getattr(out, f.name)[rows] = mine
         return out
 
+    def pruned(self, depth: int) -> TreeBatch:
+        """These trees with the nodes deeper than depth made padding (indices kept)."""
+        deep = node_depths(self.parents) > depth
+
+        def fill(x: torch.Tensor | None, value: int = 0) -> torch.Tensor | None:
+            return None if x is None else x.masked_fill(
+                deep.view(*deep.shape, *[1] * (x.dim() - 2)), value)
+
+        return TreeBatch(fill(self.tokens), fill(self.parents, PAD), fill(self.q_ids),
+                         fill(self.q_probs))
+
     def num_valid(self) -> list[int]:
         """Non-padding nodes per row."""
         return (self.parents != PAD).sum(1).tolist()
+
+
+def budget_nodes(env: TreeEnvelope, depth: int) -> int:
+    """The most nodes a tree of env has at depths <= depth (num_nodes at its own)."""
+    return min(env.num_nodes, env.topk + (depth - 1) * env.topk * env.topk)
+
+
+def cut_depth(trees: TreeBatch, depth: int, width: int) -> tuple[TreeBatch, np.ndarray | None]:
+    """trees cut to their nodes at depths <= depth, at most width of them (the first
+    in node order: a parent comes before its child, so none loses its parent), packed
+    into [B, width]; with each kept node's index in trees ([B, width], -1 past them),
+    or None when nothing was cut (trees itself returned)."""
+    b, n = trees.parents.shape
+    d = node_depths(trees.parents).numpy()
+    keep = (trees.parents.numpy() != PAD) & (d <= depth)
+    keep &= np.cumsum(keep, 1) <= width
+    if width == n and keep.sum() == (d > 0).sum():
+        return trees, None
+    pos = np.cumsum(keep, 1) - 1
+    r, c = np.nonzero(keep)
+    index = np.full((b, width), -1, dtype=np.int64)
+    index[r, pos[r, c]] = c
+    par = trees.parents.numpy()[r, c]
+    parents = np.full((b, width), PAD, dtype=np.int32)
+    parents[r, pos[r, c]] = np.where(par >= 0, pos[r, np.clip(par, 0, None)], par)
+    src = torch.from_numpy(np.clip(index, 0, None))
+
+    def take(x: torch.Tensor | None, fill: int = 0) -> torch.Tensor | None:
+        if x is None:
+            return None
+        g = torch.gather(x, 1, src.view(b, width, *[1] * (x.dim() - 2)).expand(
+            b, width, *x.shape[2:]))
+        return g.masked_fill(torch.from_numpy(index < 0).view(b, width, *[1] * (x.dim() - 2)),
+                             fill)
+
+    return TreeBatch(take(trees.tokens), torch.from_numpy(parents), take(trees.q_ids),
+                     take(trees.q_probs)), index
 
 
 def envelope_from(name: str | None = None, depth: int | None = None,

@@ -36,7 +36,7 @@ def spec_request_to_pb(r: SpecRequest, shared: SharedBuffer | None = None
                        ) -> pb.SpeculateRequest:
     """shared: the connection's shared buffer, for hidden states placed in it."""
     m = pb.SpeculateRequest(step_id=r.step_id, released=r.released,
-                            trace_context=r.trace_context)
+                            trace_context=r.trace_context, max_depth=r.max_depth)
     add = m.sequences.add        # built in place: no per-sequence message copy
     for u in r.seqs:
         s = add(seq_id=u.seq_id, committed_len=u.committed_len, new_tokens=u.new_tokens,
@@ -64,7 +64,7 @@ def spec_request_from_pb(m: pb.SpeculateRequest, shared: SharedBuffer | None = N
                       rejection=u.rejection_sampling)
             for u in m.sequences]
     return SpecRequest(step_id=m.step_id, seqs=seqs, released=list(m.released),
-                       trace_context=dict(m.trace_context))
+                       trace_context=dict(m.trace_context), max_depth=m.max_depth)
 
 
 def _sampling(m: pb.SamplingParams) -> SamplingParams:

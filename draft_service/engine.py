@@ -142,6 +142,8 @@ class DraftEngine:
                 trees = self.proposer.propose(
                     [ids[r] for r in live], self._sampling([ids[r] for r in live]))
                 trees = trees.scatter(live, len(ids))
+                if 0 < req.max_depth < self.env.depth:      # the rest will not be verified
+                    trees = trees.pruned(req.max_depth)
                 tp1 = time.time_ns()
         except Exception:
             self.release(ids)   # never leave a half-applied state behind

@@ -37,7 +37,10 @@ TEST_DEADLINE_MS = 5000.0
 async def services(target: Path, method: str | None = None, draft_model: Path | None = None,
                    envelope: str = "chain4", draft_kw: dict | None = None,
                    **verify_kw) -> AsyncIterator[dict]:
-    """Start a draft (unless method is None) and a verify service; yields their handles."""
+    """Start a draft (unless method is None) and a verify service; yields their handles.
+    The verify speculates on every step (speculation="always") unless told otherwise:
+    these tests are about the speculative path, which the adaptive controller leaves
+    on the CPU, where a draft step costs more than it buys (tests/test_controller.py)."""
     from draft_service import server as draft_server
     from verify_service import server as verify_server
 
@@ -50,6 +53,7 @@ async def services(target: Path, method: str | None = None, draft_model: Path | 
         draft, dport, handles["draft_engine"] = await draft_server.start(dcfg)
         handles["draft_addr"] = f"127.0.0.1:{dport}"
         handles["draft_server"] = draft
+    verify_kw.setdefault("speculation", "always")
     vcfg = VerifyConfig(model=str(target), draft=handles.get("draft_addr"), device="cpu",
                         num_blocks=verify_kw.pop("num_blocks", 512), block_size=4,
                         reconnect_s=0.2,

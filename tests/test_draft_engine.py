@@ -201,3 +201,16 @@ def test_requests_past_the_draft_s_bounds_are_refused_unread():
     with pytest.raises(InvalidRequest, match="1025 sequences"):
         eng.step(SpecRequest(step_id=2, seqs=[full(i, [1]) for i in range(1025)]))
     assert spy.updates == [] and eng.num_sequences == 0
+
+
+def test_a_budget_depth_pads_the_nodes_past_it():
+    eng = ngram_engine()
+    toks = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
+    whole = eng.step(SpecRequest(1, [full(7, toks)]))
+    cut = eng.step(SpecRequest(2, [SeqUpdate(seq_id=7, committed_len=len(toks), new_tokens=[])],
+                               max_depth=1))
+    assert (whole.parents[0] >= 0).any()                 # it drafted past depth 1
+    assert cut.parents.shape == whole.parents.shape
+    kept = cut.parents[0] != PAD
+    assert (cut.parents[0][kept] == -1).all() and kept.sum() >= 1   # depth-1 nodes only
+    assert torch.equal(cut.tokens[0][kept], whole.tokens[0][kept])

@@ -34,7 +34,7 @@ class ContinuationDrafter:
         self.released: list[int] = []
         self.steps = 0
 
-    async def propose(self, seqs, trace) -> Drafted:
+    async def propose(self, seqs, trace, depth=0) -> Drafted:
         self.steps += 1
         rows = []
         for s in seqs:
@@ -61,10 +61,11 @@ class ContinuationDrafter:
         pass
 
 
-async def _serve(target_dir, drafter) -> tuple[list[list[int]], VerifyEngine, list[int],
-                                               list[int]]:
+async def _serve(target_dir, drafter, speculation="adaptive"
+                 ) -> tuple[list[list[int]], VerifyEngine, list[int], list[int]]:
     engine = VerifyEngine(Qwen3Model.from_pretrained(target_dir), num_blocks=256, block_size=4,
-                          max_batch=4, max_model_len=0, prefill_tokens=4096, link=drafter)
+                          max_batch=4, max_model_len=0, prefill_tokens=4096, link=drafter,
+                          speculation=speculation)
     engine.start()
     try:
         seqs = [engine.submit(GenRequest(tuple(p), MAX_TOKENS, ignore_eos=True))
@@ -107,10 +108,18 @@ def test_a_broken_tree_costs_speculation_never_a_token(target_dir, break_with):
     assert set(engine.fallbacks) == {"invalid_proposal"} and engine.kv_pages_used == 0
 
 
-def test_a_step_of_empty_trees_runs_the_plain_decode_graph(target_dir):
-    """Nothing to verify, nothing paid: trees of padding only run the plain step."""
+@pytest.mark.parametrize("speculation", ["always", "adaptive"])
+def test_a_step_of_empty_trees_runs_the_plain_decode_graph(target_dir, speculation):
+    """Nothing to verify, nothing paid: trees of padding only run the plain step; and
+    when they keep coming, the controller stops asking (no hop) but now and then."""
     refs = {tuple(p): greedy_reference(target_dir, p, MAX_TOKENS) for p in PROMPTS}
-    outs, engine, _, steps = asyncio.run(_serve(target_dir, ContinuationDrafter(refs, "empty")))
+    drafter = ContinuationDrafter(refs, "empty")
+    outs, engine, _, steps = asyncio.run(_serve(target_dir, drafter, speculation))
     assert outs == [refs[tuple(p)] for p in PROMPTS]
-    assert steps == [MAX_TOKENS - 1] * 3 and set(engine.fallbacks) == {"empty_tree"}
+    assert steps == [MAX_TOKENS - 1] * 3
     assert {k[0][0] for k in engine.verifier.buckets.graphs} == {0}    # tree size 0 only
+    if speculation == "always":
+        assert set(engine.fallbacks) == {"empty_tree"} and drafter.steps == MAX_TOKENS - 1
+    else:   # asked until each sequence rests (3 steps), then once after 8 steps
+        assert set(engine.fallbacks) == {"empty_tree", "off_by_controller"}
+        assert drafter.steps == 4

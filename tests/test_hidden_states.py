@@ -71,7 +71,7 @@ def test_hidden_states_of_committed_tokens_travel_once(target_dir, rows_a_step):
         from verify_service.config import VerifyConfig
         vs, vport, engine = await verify_server.start(VerifyConfig(
             model=str(target_dir), draft=f"127.0.0.1:{port}", device="cpu", block_size=4,
-            num_blocks=128, step_deadline_ms=2000))
+            num_blocks=128, step_deadline_ms=2000, speculation="always"))
         for _ in range(200):
             if engine.link.ready:
                 break

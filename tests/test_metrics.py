@@ -35,7 +35,7 @@ def stack(target_dir):
     verify = cli_command("verify", "--model", str(target_dir), "--draft", f"127.0.0.1:{dport}",
                          "--port", "0", "--device", "cpu", "--metrics-port", "0",
                          "--step-deadline-ms", "5000", "--reconnect-s", "0.2",
-                         "--num-blocks", "256", "--block-size", "4")
+                         "--num-blocks", "256", "--block-size", "4", "--speculation", "always")
     with running([("draft", draft, None), ("verify", verify, None)]) as pair:
         pair[1].wait_listening(1)
         assert services.run_cli("health", "--addr", pair[1].addr).returncode == 0

@@ -50,7 +50,8 @@ def test_32_long_prompts_at_once(method, plain):
     # CPU forwards over 32k tokens take seconds: the deadline is not what this tests
     extra = ("--target-embeddings", "tiny-code") if method in ("eagle3", "dflash") else ()
     with services.stack("tiny-code", method, DRAFTS[method], draft_args=extra,
-                        verify_args=("--metrics-port", "0", "--step-deadline-ms", "120000")
+                        verify_args=("--metrics-port", "0", "--step-deadline-ms", "120000",
+                                     "--speculation", "always")
                         ) as (draft, verify):
         spec = asyncio.run(_all(verify.addr, plain=False))
         url = re.search(r"metrics on (http://\S+/metrics)", verify.output()).group(1)

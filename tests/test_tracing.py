@@ -44,7 +44,8 @@ async def traced_services(target, method, draft_model, envelope):
                        model=str(draft_model) if draft_model else None, device="cpu")
     draft, dport, _ = await draft_server.start(dcfg, tracer_provider=dprov)
     vcfg = VerifyConfig(model=str(target), draft=f"127.0.0.1:{dport}", device="cpu",
-                        num_blocks=256, block_size=4, reconnect_s=0.2, step_deadline_ms=5000)
+                        num_blocks=256, block_size=4, reconnect_s=0.2, step_deadline_ms=5000,
+                        speculation="always")
     verify, vport, engine = await verify_server.start(vcfg, tracer_provider=vprov)
     try:
         for _ in range(200):

@@ -35,6 +35,11 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
                         "(default: iff the node is the target's seeded draw, so the tokens "
                         "are the same with any drafter or none) or rejection (recursive "
                         "rejection sampling with the drafter's q)")
+    v.add_argument("--speculation", choices=["adaptive", "always", "off"],
+                   help="how much each step speculates: adaptive (default: a depth chosen "
+                        "per step from measured step times and acceptance, none when plain "
+                        "decode is faster), always (the whole envelope), off (never ask "
+                        "the draft)")
     v.add_argument("--busy-poll", choices=["auto", "on", "off"],
                    help="wait for the draft's answer and the device without sleeping (one "
                         "busy core while steps run; default auto: on when the device is CUDA)")
@@ -50,7 +55,7 @@ def config(args: argparse.Namespace):
         cfg = VerifyConfig(model=args.model, draft=args.draft, **given(
             args, RUNTIME + ("max_batch", "max_model_len", "prefill_tokens",
                              "step_deadline_ms", "reconnect_s", "draft_socket", "busy_poll",
-                             "generation_config", "acceptance", "draft_tls_ca",
+                             "generation_config", "acceptance", "speculation", "draft_tls_ca",
                              "draft_tls_cert", "draft_tls_key", "draft_api_key_file",
                              "max_prompt_bytes", "max_waiting")))
     except ValueError as e:

@@ -26,6 +26,7 @@ class VerifyConfig(ServiceConfig):
     acceptance: str = "coupled"       # sampled nodes: coupled (a node is accepted iff it
                                       # is the target's seeded draw) or rejection
                                       # (recursive rejection sampling with the drafter's q)
+    speculation: str = "adaptive"     # verify_service/controller.py: adaptive, always, off
     busy_poll: str = "auto"           # wait for drafts and the device without sleeping:
                                       # auto (on when the device is CUDA), on, off
     draft_tls_ca: str | None = None   # reach the draft over TLS, trusting this CA
@@ -68,6 +69,9 @@ class VerifyConfig(ServiceConfig):
         self.draft_api_key
         if self.acceptance not in ("rejection", "coupled"):
             raise ValueError(f"acceptance must be rejection or coupled, got {self.acceptance!r}")
+        if self.speculation not in ("adaptive", "always", "off"):
+            raise ValueError("speculation must be adaptive, always or off, got "
+                             f"{self.speculation!r}")
         if self.busy_poll not in ("auto", "on", "off"):
             raise ValueError(f"busy_poll must be auto, on or off, got {self.busy_poll!r}")
         if self.step_deadline_ms <= 0 or self.reconnect_s <= 0:

@@ -215,14 +215,15 @@ class DraftLink:
             self._outstanding = None
             self.sync.resync(list(msg.resync))
 
-    async def propose(self, seqs: list[Sequence], trace: dict[str, str]) -> Drafted:
+    async def propose(self, seqs: list[Sequence], trace: dict[str, str],
+                      depth: int = 0) -> Drafted:
         """Send one step's request and wait up to the deadline for its answer: one
         future, completed by the stream reader, a timer or a dropped connection."""
         if not self.ready:
             return Drafted(None, "disconnected")
         if self._outstanding is not None:
             return Drafted(None, "busy")     # the draft is still on a step that timed out
-        out = self.sync.request(seqs, bool(self._info.target_hidden_layers), trace)
+        out = self.sync.request(seqs, bool(self._info.target_hidden_layers), trace, depth)
         step = out.request.step_id
         if out.rows and set(out.rows) <= set(out.syncing):
             return await self._send_only(seqs, out)

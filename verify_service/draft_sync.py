@@ -92,12 +92,15 @@ class DraftSync:
         room = MAX_HIDDEN_BYTES if self.shared is None else self.shared.nbytes
         return room if self.max_hidden_bytes is None else min(room, self.max_hidden_bytes)
 
-    def request(self, seqs: list[Sequence], hidden: bool, trace: dict[str, str]) -> Outgoing:
-        """The next step's request for seqs; hidden: send target hidden states, at most
-        max_hidden_bytes of them (the rest of a sequence's follow in later steps)."""
+    def request(self, seqs: list[Sequence], hidden: bool, trace: dict[str, str],
+                depth: int = 0) -> Outgoing:
+        """The next step's request for seqs, trees to `depth` (0: the envelope's);
+        hidden: send target hidden states, at most max_hidden_bytes of them (the rest
+        of a sequence's follow in later steps)."""
         self.step_id += 1
         budget = full = self._budget()
-        out = Outgoing(SpecRequest(self.step_id, [], self._released, trace_context=trace),
+        out = Outgoing(SpecRequest(self.step_id, [], self._released, trace_context=trace,
+                                   max_depth=depth),
                        [], [], [])
         parts: list[torch.Tensor] = []
         for i, s in enumerate(seqs):

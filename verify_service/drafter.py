@@ -22,8 +22,10 @@ if TYPE_CHECKING:
 # why a speculating step ran as plain decode; per sequence also "empty_tree" (a tree came,
 # all padding), "syncing" (the draft was still being sent its hidden states),
 # "no_hidden_states" (admitted before a drafter that reads them connected) and
-# "draft_max_model_len" (longer than the draft takes, by its handshake)
-Fallback = Literal["no_draft", "disconnected", "busy", "deadline", "invalid_proposal"]
+# "draft_max_model_len" (longer than the draft takes, by its handshake);
+# "off_by_controller": the speculation budget (verify_service/controller.py) was 0
+Fallback = Literal["no_draft", "disconnected", "busy", "deadline", "invalid_proposal",
+                   "off_by_controller"]
 
 
 @dataclass
@@ -51,10 +53,12 @@ class Drafter(Protocol):
     def ready(self) -> bool:
         """Whether a step asked now can get trees."""
 
-    async def propose(self, seqs: list[Sequence], trace: dict[str, str]) -> Drafted:
+    async def propose(self, seqs: list[Sequence], trace: dict[str, str],
+                      depth: int = 0) -> Drafted:
         """Trees for these sequences (their committed tokens, the path accepted from
         their last tree, their target hidden states when the draft reads them);
-        trace: the W3C carrier of the step's span ({} when untraced)."""
+        trace: the W3C carrier of the step's span ({} when untraced); depth: nodes
+        deeper will not be verified (0: the whole envelope)."""
 
     def release(self, seq_ids: list[int]) -> None:
         """These sequences ended; the draft may forget them."""

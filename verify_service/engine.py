@@ -20,15 +20,19 @@ import logging
 import time
 from collections import Counter, deque
 
+import numpy as np
+
 from common import sampling
 from common.aio import cancel_and_wait
 from common.errors import InvalidRequest, Overloaded, Unavailable
 from common.qwen3 import Qwen3Model
 from common.row_buffer import RowBuffer
-from common.tree import TreeBatch, validate_tree
+from common.graph_buckets import bucket
+from common.tree import TreeBatch, budget_nodes, cut_depth, validate_tree
 from kernels.dispatch import select
+from verify_service.controller import Controller, Plan
 from verify_service.drafter import Drafted, Drafter
-from verify_service.observer import EngineObserver, NullObserver, StepRecord, hop_parts
+from verify_service.observer import EngineObserver, NullObserver, step_record
 from verify_service.request import GenRequest, check_request
 from verify_service.sequence import Sequence
 from verify_service.step_runner import StepRunner
@@ -42,7 +46,8 @@ class VerifyEngine:
                  max_model_len: int, prefill_tokens: int, link: Drafter | None = None,
                  kernels: str = "auto", busy_poll: bool = False,
                  observer: EngineObserver | None = None,
-                 sampling_defaults: dict | None = None, max_waiting: int = 1024) -> None:
+                 sampling_defaults: dict | None = None, max_waiting: int = 1024,
+                 speculation: str = "adaptive") -> None:
         self.model = model
         self.spec = model.spec
         self.cache = model.new_cache(num_blocks, block_size)
@@ -53,6 +58,7 @@ class VerifyEngine:
         self.max_model_len = max_model_len or model.spec.max_position
         self.prefill_tokens = prefill_tokens
         self.link = link
+        self.controller = Controller(speculation)      # how much each step speculates
         self.sampling_defaults = sampling_defaults or {}   # for fields a request leaves unset
         self.observer: EngineObserver = observer or NullObserver()
         self.waiting: deque[Sequence] = deque()
@@ -167,6 +173,7 @@ class VerifyEngine:
                 self.observer.finished(seq)
                 seq.emit([])
             self.cache.release(seq.pages)
+            self.controller.forget(seq.seq_id)
             if self.link is not None:
                 self.link.release([seq.seq_id])
         self.running = keep
@@ -218,19 +225,27 @@ class VerifyEngine:
             log.warning("a request waits: %s (%d times so far); %s raises the limit", why,
                         self.limits[flag], flag)
 
-    async def _draft(self, seqs: list[Sequence]) -> tuple[Drafted, list[int]]:
-        """The step's trees for the sequences that speculate (their rows in seqs), or
-        why there are none. A drafter that reads hidden states serves only sequences
-        whose history was captured (those admitted before it connected decode plainly)."""
+    async def _draft(self, seqs: list[Sequence]) -> tuple[Drafted, Plan]:
+        """The step's trees for the sequences the controller asks (plan.rows: their
+        rows in seqs), or why there are none. A drafter that reads hidden states serves
+        only sequences whose history was captured (those admitted before it connected
+        decode plainly)."""
         needs = bool(self.verifier.capture_layers)
         rows = [i for i, s in enumerate(seqs)
                 if s.speculative and (s.hidden is not None or not needs)
                 and not self._past_draft_limit(s)]
         if not rows:
-            return Drafted(None), rows
+            return Drafted(None), Plan(0, [])
         if self.link is None or not self.link.ready:
-            return Drafted(None, "no_draft" if self.link is None else "disconnected"), rows
-        got = await self.link.propose([seqs[i] for i in rows], self.observer.draft_context())
+            return (Drafted(None, "no_draft" if self.link is None else "disconnected"),
+                    Plan(0, rows))
+        plan = self.controller.plan(self.link.info.envelope, [s.seq_id for s in seqs], rows,
+                                    bucket(len(seqs)))
+        if not plan.depth:
+            return Drafted(None, "off_by_controller"), plan
+        rows = plan.rows
+        got = await self.link.propose([seqs[i] for i in rows], self.observer.draft_context(),
+                                      plan.depth)
         if got.trees is not None:
             t = got.trees
             why = "wrong number of rows" if len(t) != len(rows) else validate_tree(
@@ -239,8 +254,8 @@ class VerifyEngine:
             if why is not None:
                 log.warning("dropping an invalid proposal: %s", why)
                 return Drafted(None, "invalid_proposal", got.step_id, got.stamps,
-                               hidden_bytes=got.hidden_bytes), rows
-        return got, rows
+                               hidden_bytes=got.hidden_bytes), plan
+        return got, plan
 
     async def _step(self) -> None:
         seqs = [s for s in self.running if s.finish is None and not s.cancelled]
@@ -248,26 +263,35 @@ class VerifyEngine:
             return
         t0 = time.time_ns()
         self.observer.step_started(seqs)
-        drafted, rows = await self._draft(seqs)
+        drafted, plan = await self._draft(seqs)
         t1 = time.time_ns()
-        trees, depth = None, 0
+        trees, index = None, None
         if drafted.trees is not None and any(drafted.trees.num_valid()):
             env = self.link.info.envelope
-            trees, depth = drafted.trees.scatter(rows, len(seqs)), env.depth
+            trees, index = cut_depth(drafted.trees.scatter(plan.rows, len(seqs)), plan.depth,
+                                     budget_nodes(env, plan.depth))
             self.verifier.siblings = env.topk
         # (trees of padding only: the plain decode graph, not the envelope's)
+        captures = self.verifier.buckets.captures
         res = await self.runner.step([s.pages for s in seqs], [s.tokens[-1] for s in seqs],
-                                     trees, depth, [s.sampling for s in seqs])
+                                     trees, plan.depth if trees is not None else 0,
+                                     [s.sampling for s in seqs])
         t2 = time.time_ns()
-        asked = {seqs[i].seq_id for i in rows}
-        syncing = {seqs[rows[j]].seq_id for j in drafted.syncing}
-        why = {s.seq_id: self._unasked(s) if s.seq_id not in asked else "syncing"
-               if s.seq_id in syncing else drafted.fallback or "empty_tree"
-               for s in seqs if s.speculative}
-        done = self._commit(seqs, trees, res, why)
+        syncing = {plan.rows[j] for j in drafted.syncing}
+        asked, resting = set(plan.rows), set(plan.resting)
+        why = {s.seq_id: "syncing" if i in syncing else drafted.fallback or "empty_tree"
+               if i in asked else "off_by_controller" if i in resting else self._unasked(s)
+               for i, s in enumerate(seqs) if s.speculative}
+        done = self._commit(seqs, trees, res, why, index)
+        if drafted.fallback in (None, "off_by_controller"):
+            self.controller.observe(
+                plan, [s.seq_id for s in seqs],
+                [-1 if i in syncing else len(res.accepted[i]) for i in plan.rows],
+                bucket(len(seqs)), None if self.verifier.buckets.captures != captures
+                else (time.time_ns() - t0) * 1e-9)
         if isinstance(self.observer, NullObserver):
             return                       # telemetry off: not even a record is built
-        self._observe_step(drafted, len(seqs), done, why, trees is not None, t0, t1, t2)
+        self._observe_step(drafted, len(seqs), done, why, trees is not None, t0, t1, t2, plan)
 
     def _past_draft_limit(self, s: Sequence) -> bool:
         """Whether s (with a tree's worth more) is longer than the draft takes."""
@@ -280,10 +304,12 @@ class VerifyEngine:
         return "draft_max_model_len" if self._past_draft_limit(s) else "no_hidden_states"
 
     def _commit(self, seqs: list[Sequence], trees: TreeBatch | None, res: StepResult,
-                why: dict[int, str]) -> list[tuple[Sequence, int, int, int, int]]:
+                why: dict[int, str], index: np.ndarray | None
+                ) -> list[tuple[Sequence, int, int, int, int]]:
         """Commit each sequence's accepted path and bonus token and stream them;
         returns (seq, drafted, depth, accepted, committed) per sequence still running.
-        why: the reason a speculating sequence ran as plain decode, if it did."""
+        why: the reason a speculating sequence ran as plain decode, if it did; index:
+        the draft's node index of each verified node (common.tree.cut_depth)."""
         done: list[tuple[Sequence, int, int, int, int]] = []
         tok_l = trees.tokens.tolist() if trees is not None else None
         offered_l = trees.num_valid() if trees is not None else [0] * len(seqs)
@@ -299,10 +325,11 @@ class VerifyEngine:
                 s.stats.fallback_steps += 1
                 self.fallbacks[why[s.seq_id]] += 1
                 n = self.fallbacks[why[s.seq_id]]
-                if n in (1, 10, 100) or n % 10000 == 0:
+                if why[s.seq_id] != "off_by_controller" and (n in (1, 10, 100)
+                                                             or n % 10000 == 0):
                     log.warning("plain decode instead of speculation (%s): %d sequence "
                                 "steps so far", why[s.seq_id], n)
-            s.accepted_path = path
+            s.accepted_path = path if index is None else index[i][path].tolist()
             done.append((s, offered, len(path), min(len(path), len(kept)), len(kept)))
             if res.hidden is not None and s.hidden is not None:
                 s.hidden.append(res.hidden[i])
@@ -313,20 +340,11 @@ class VerifyEngine:
 
     def _observe_step(self, drafted: Drafted, batch: int,
                       done: list[tuple[Sequence, int, int, int, int]], why: dict[int, str],
-                      speculated: bool, t0: int, t1: int, t2: int) -> None:
+                      speculated: bool, t0: int, t1: int, t2: int, plan: Plan) -> None:
         """Tell the observer what the step did; done: _commit's rows."""
-        seqs = [r[0] for r in done]
-        self.observer.step_finished(StepRecord(
-            step_id=drafted.step_id, batch=batch,
-            seq_ids=[s.seq_id for s in seqs], request_ids=[s.req.request_id for s in seqs],
-            drafted=[r[1] for r in done], depth=[r[2] for r in done],
-            accepted=[r[3] for r in done], committed=[r[4] for r in done],
-            fallback=[why[s.seq_id] if s.speculative and d == 0 else None
-                      for s, d, *_ in done],
-            reason=drafted.fallback, envelope=self.link.info.envelope if speculated else None,
-            t_start=t0, t_drafted=t1, t_verified=t2, t_end=time.time_ns(),
-            hop_parts=hop_parts(t0, t1, drafted.stamps) if drafted.step_id else {},
-            hidden_bytes=drafted.hidden_bytes))
-        for s in seqs:
+        self.observer.step_finished(step_record(
+            drafted, plan, batch, done, why, self.link.info.envelope if speculated else None,
+            (t0, t1, t2, time.time_ns())))
+        for s, *_ in done:
             if s.finish is not None:
                 self.observer.finished(s)

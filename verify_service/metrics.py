@@ -27,6 +27,11 @@ treespec's own (vLLM has none of these):
     treespec:verify_forward_seconds              target forward + accept walk + KV commit
     treespec:step_seconds / treespec:prefill_seconds   whole engine iterations
     treespec:kv_pages_used / treespec:kv_pages_free    gauges
+    treespec:spec_budget_depth                   histogram of the controller's depth per step
+                                                 (0: plain decode; verify_service/controller.py)
+    treespec:spec_budget_expected_tokens         gauge: its expected committed tokens, last step
+    treespec:spec_budget_step_seconds            gauge: its measured time for that budget at
+                                                 that batch bucket, last step (0: not yet)
     treespec:draft_connected                     gauge, 1 while the Speculate stream is up
 """
 
@@ -91,6 +96,16 @@ class VerifyMetrics(EngineObserver):
                               "Target forward, accept walk and KV commit per step.")
         self.step = seconds("treespec:step_seconds", "Whole decode step.")
         self.prefill = seconds("treespec:prefill_seconds", "Prefill forward per admission.")
+        self.budget = Histogram("treespec:spec_budget_depth",
+                                "The speculation controller's depth per step (0: plain).",
+                                lab, buckets=tuple(range(17)), registry=r).labels(m)
+        self.expected = Gauge("treespec:spec_budget_expected_tokens",
+                              "The controller's expected committed tokens, last step.", lab,
+                              registry=r).labels(m)
+        self.budget_cost = Gauge("treespec:spec_budget_step_seconds",
+                                 "The controller's measured step time for its budget and "
+                                 "batch bucket, last step (0: not yet).", lab,
+                                 registry=r).labels(m)
         self.hidden_bytes = counter("treespec:draft_hidden_state_bytes",
                                     "Target hidden states sent to the draft (EAGLE-3), bytes.")
         self._gauges = {name: Gauge(name, doc, lab, registry=r).labels(m) for name, doc in (
@@ -133,6 +148,9 @@ class VerifyMetrics(EngineObserver):
                 self._hop_part.labels(self.model_name, part).observe(ns * _NS)
         self.verify.observe((r.t_verified - r.t_drafted) * _NS)
         self.step.observe((r.t_end - r.t_start) * _NS)
+        self.budget.observe(r.budget)
+        self.expected.set(r.expected)
+        self.budget_cost.set(r.cost_s or 0.0)
         self.sequence_steps.inc(len(r.seq_ids))
         self.generation_tokens.inc(sum(r.committed))
         for drafted, accepted, fallback in zip(r.drafted, r.accepted, r.fallback):

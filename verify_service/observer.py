@@ -32,6 +32,8 @@ from common import fanout
 from common.tree import TreeEnvelope
 
 if TYPE_CHECKING:
+    from verify_service.controller import Plan
+    from verify_service.drafter import Drafted
     from verify_service.sequence import Sequence
 
 
@@ -68,6 +70,11 @@ class StepRecord:
     # where the hop went, ns by part (empty when no answer came): see hop_parts
     hop_parts: dict[str, int] = field(default_factory=dict)
     hidden_bytes: int = 0            # target hidden states the request carried
+    # the controller's budget (depth verified; 0: plain decode), its expected committed
+    # tokens and its step time measured so far for this budget and batch (None: not yet)
+    budget: int = 0
+    expected: float = 0.0
+    cost_s: float | None = None
 
 
 HOP_PARTS = ("send", "wait", "read", "to_draft", "draft", "to_verify")
@@ -92,6 +99,26 @@ def hop_parts(t_start: int, t_drafted: int, stamps: tuple[int, int, int, int] | 
         if min(legs.values()) >= 0:
             parts.update(legs)
     return parts
+
+
+def step_record(drafted: Drafted, plan: Plan, batch: int,
+                done: list[tuple[Sequence, int, int, int, int]], why: dict[int, str],
+                envelope: TreeEnvelope | None, times: tuple[int, int, int, int]) -> StepRecord:
+    """The record of a step: done holds (seq, drafted, depth, accepted, committed) per
+    sequence still running; why the reason a speculating one ran plain; times t_start,
+    t_drafted, t_verified, t_end."""
+    seqs = [r[0] for r in done]
+    t0, t1, t2, t3 = times
+    return StepRecord(
+        step_id=drafted.step_id, batch=batch,
+        seq_ids=[s.seq_id for s in seqs], request_ids=[s.req.request_id for s in seqs],
+        drafted=[r[1] for r in done], depth=[r[2] for r in done],
+        accepted=[r[3] for r in done], committed=[r[4] for r in done],
+        fallback=[why[s.seq_id] if s.speculative and d == 0 else None for s, d, *_ in done],
+        reason=drafted.fallback, envelope=envelope, t_start=t0, t_drafted=t1, t_verified=t2,
+        t_end=t3, hop_parts=hop_parts(t0, t1, drafted.stamps) if drafted.step_id else {},
+        hidden_bytes=drafted.hidden_bytes, budget=plan.depth, expected=plan.expected,
+        cost_s=plan.cost_s)
 
 
 class EngineObserver:

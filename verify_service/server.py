@@ -67,7 +67,7 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
     engine = VerifyEngine(model, cfg.num_blocks, cfg.block_size, cfg.max_batch,
                           cfg.max_model_len, cfg.prefill_tokens, link=link, kernels=cfg.kernels,
                           busy_poll=busy, observer=observer, sampling_defaults=defaults,
-                          max_waiting=cfg.max_waiting)
+                          max_waiting=cfg.max_waiting, speculation=cfg.speculation)
     if metrics is not None:
         metrics.watch(engine)
         metrics.serve(cfg.host, cfg.metrics_port)

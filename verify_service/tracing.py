@@ -19,7 +19,10 @@ sequence aligned with ``treespec.seq_ids``: ``treespec.drafted_tokens``,
 ``treespec.accepted_tokens``, ``treespec.accepted_depth``,
 ``treespec.committed_tokens``, ``treespec.fallback`` ("" when it speculated);
 per step: ``treespec.sequences``, ``treespec.step_id``, ``treespec.envelope``
-(+ ``.depth``, ``.topk``, ``.num_nodes``), ``treespec.fallback_reason``.
+(+ ``.depth``, ``.topk``, ``.num_nodes``), ``treespec.fallback_reason``, and the
+speculation controller's ``treespec.budget.depth`` (0: plain decode),
+``treespec.budget.expected_tokens`` and ``treespec.budget.step_seconds`` (its
+measured time for that budget at this batch size; absent until measured).
 The request span gets its final RequestStats as ``treespec.stats.*``.
 """
 
@@ -109,7 +112,11 @@ class VerifyTracer(EngineObserver):
         attrs = {**per_seq, "treespec.sequences": r.batch, "treespec.step_id": r.step_id,
                  "treespec.request_ids": r.request_ids,
                  "treespec.drafted_tokens": r.drafted,
-                 "treespec.fallback": [f or "" for f in r.fallback]}
+                 "treespec.fallback": [f or "" for f in r.fallback],
+                 "treespec.budget.depth": r.budget,
+                 "treespec.budget.expected_tokens": r.expected}
+        if r.cost_s is not None:
+            attrs["treespec.budget.step_seconds"] = r.cost_s
         if r.envelope is not None:
             e = r.envelope
             attrs.update({"treespec.envelope": e.name, "treespec.envelope.depth": e.depth,

@@ -177,7 +177,7 @@ class SequenceUpdate(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., full: _Optional[bool] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., accepted_step_id: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., rejection_sampling: _Optional[bool] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
-    __slots__ = ("step_id", "sequences", "released", "trace_context")
+    __slots__ = ("step_id", "sequences", "released", "trace_context", "max_depth")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -189,11 +189,13 @@ class SpeculateRequest(_message.Message):
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceUpdate]
     released: _containers.RepeatedScalarFieldContainer[int]
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    max_depth: int
+    def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., max_depth: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("step_id", "seq_ids", "tokens", "parents", "resync", "received_unix_ns", "sent_unix_ns", "q_ids", "q_probs")

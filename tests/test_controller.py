@@ -1,0 +1,173 @@
+"""The speculation controller: budgets, tree cuts, and choices against simulated
+drafters whose acceptance and step costs the test sets (so the best fixed budget is
+known), plus the engine serving losslessly at every budget it may choose."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from common.tree import PAD, PRESETS, TreeBatch, budget_nodes, cut_depth
+from verify_service.controller import Controller, Plan, budget_depths
+
+CHAIN4 = PRESETS["chain4"]
+
+
+def test_budgets_are_the_envelope_and_its_halvings():
+    assert budget_depths(PRESETS["chain4"]) == (4, 2, 1)
+    assert budget_depths(PRESETS["block16"]) == (15, 7, 3, 1)
+    assert budget_depths(PRESETS["tree-wide"]) == (5, 2, 1)
+    assert [budget_nodes(PRESETS["tree-small"], d) for d in (1, 2, 4)] == [2, 6, 8]
+
+
+def test_a_cut_keeps_shallow_nodes_in_order_with_their_q_and_maps_them_back():
+    #   row 0: root ─ a(0) ─ c(2) ─ e(4);  └ b(1) ─ d(3)      row 1: a chain of 3 + padding
+    parents = torch.tensor([[-1, -1, 0, 1, 2], [-1, 0, 1, PAD, PAD]], dtype=torch.int32)
+    tokens = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 22, 0, 0]], dtype=torch.int32)
+    q_ids = tokens.unsqueeze(-1).repeat(1, 1, 2)
+    q_probs = torch.rand(2, 5, 2)
+    cut, index = cut_depth(TreeBatch(tokens, parents, q_ids, q_probs), 2, 4)
+    assert cut.tokens.tolist() == [[10, 11, 12, 13], [20, 21, 0, 0]]
+    assert cut.parents.tolist() == [[-1, -1, 0, 1], [-1, 0, PAD, PAD]]
+    assert index.tolist() == [[0, 1, 2, 3], [0, 1, -1, -1]]
+    assert torch.equal(cut.q_probs[0], q_probs[0, :4]) and (cut.q_probs[1, 2:] == 0).all()
+    assert torch.equal(cut.q_ids[:, :, 0], cut.tokens)
+    # a width cap keeps the first nodes in order: a child never outlives its parent
+    cut, index = cut_depth(TreeBatch(tokens, parents), 2, 2)
+    assert cut.parents.tolist() == [[-1, -1], [-1, 0]] and index.tolist() == [[0, 1], [0, 1]]
+    whole = TreeBatch(tokens, parents)
+    assert cut_depth(whole, 5, 5) == (whole, None)
+
+
+class World:
+    """B sequences; a drafted chain is accepted node by node with probability p (per
+    sequence), and a step at depth d costs cost[d] seconds."""
+
+    def __init__(self, p: list[float], cost: dict[int, float], env=CHAIN4, seed: int = 0):
+        self.p, self.cost, self.env = p, cost, env
+        self.rng = np.random.default_rng(seed)
+
+    def accepted(self, r: int, depth: int) -> int:
+        n = 0
+        while n < depth and self.rng.random() < self.p[r]:
+            n += 1
+        return n
+
+    def expected_rate(self, depth: int) -> float:
+        """Tokens per second of always running this depth."""
+        tok = sum(sum(p ** k for k in range(1, depth + 1)) + 1 for p in self.p)
+        return tok / self.cost[depth]
+
+    def run(self, ctl: Controller, steps: int) -> tuple[float, list[Plan]]:
+        b = len(self.p)
+        ids, tokens, seconds, plans = list(range(100, 100 + b)), 0, 0.0, []
+        for _ in range(steps):
+            plan = ctl.plan(self.env, ids, list(range(b)), b)
+            acc = [self.accepted(r, plan.depth) for r in plan.rows]
+            tokens += b + sum(acc)
+            seconds += self.cost[plan.depth]
+            ctl.observe(plan, ids, acc, b, self.cost[plan.depth])
+            plans.append(plan)
+        return tokens / seconds, plans
+
+
+@pytest.mark.parametrize("batch, p, cost", [
+    (8, 0.0, {0: 1.0, 1: 1.3, 2: 1.35, 4: 1.45}),       # nothing accepted: plain wins
+    (8, 0.85, {0: 1.0, 1: 1.1, 2: 1.15, 4: 1.25}),      # good drafts, cheap verify: deep
+    (64, 0.55, {0: 1.0, 1: 1.25, 2: 1.55, 4: 2.6}),     # a wide batch: a short budget pays
+    (1, 0.3, {0: 1.0, 1: 1.6, 2: 1.7, 4: 1.9}),         # weak drafts, costly hop: plain
+])
+def test_the_controller_earns_what_the_best_fixed_budget_earns(batch, p, cost):
+    world = World([p] * batch, cost)
+    best = max(world.expected_rate(d) for d in cost)
+    rate, plans = world.run(Controller(), 400)
+    assert rate >= 0.95 * best, (rate, best, {d: world.expected_rate(d) for d in cost})
+    assert rate >= 0.97 * world.expected_rate(0)          # never below plain decode
+    if p == 0.0:       # nothing accepted: a few tries, then plain with rarer retries
+        assert sum(1 for x in plans if x.depth) <= 12
+
+
+def test_the_positive_control_a_fixed_budget_loses_where_the_controller_does_not():
+    """The scenarios above tell budgets apart: always-full loses to plain when nothing
+    is accepted, and plain loses to speculation when drafts are good."""
+    zero = World([0.0] * 8, {0: 1.0, 1: 1.3, 2: 1.35, 4: 1.45})
+    assert zero.run(Controller("always"), 200)[0] < 0.75 * zero.expected_rate(0)
+    good = World([0.85] * 8, {0: 1.0, 1: 1.1, 2: 1.15, 4: 1.25})
+    assert good.run(Controller("off"), 200)[0] < 0.5 * good.expected_rate(4)
+
+
+def test_sequences_whose_drafts_fail_rest_inside_a_speculating_batch():
+    world = World([0.9] * 4 + [0.0] * 4, {0: 1.0, 1: 1.1, 2: 1.15, 4: 1.2})
+    _, plans = world.run(Controller(), 200)
+    late = plans[100:]
+    assert all(x.depth for x in late)                       # the batch keeps speculating
+    asked = np.mean([sum(r >= 4 for r in x.rows) for x in late])
+    assert asked < 0.5                                       # the failing four mostly rest
+    assert all(set(range(4)) <= set(x.rows) for x in late)   # the good four never do
+
+
+def test_modes_always_and_off():
+    assert Controller("always").plan(CHAIN4, [1, 2], [0, 1], 2).depth == 4
+    off = Controller("off").plan(CHAIN4, [1, 2], [0, 1], 2)
+    assert off.depth == 0 and off.resting == [0, 1]
+    with pytest.raises(ValueError, match="adaptive"):
+        Controller("sometimes")
+
+
+class Cycling:
+    """The real controller's plan with its depth overridden: 1, 2, 4, 0, 1, 2, ... (a
+    test double for choices the adaptive controller makes only at some costs)."""
+
+    def __init__(self, ctl: Controller) -> None:
+        self.ctl, self.n = ctl, 0
+        self.plan_real, self.depths = ctl.plan, []
+
+    def plan(self, env, seq_ids, rows, b):
+        p = self.plan_real(env, seq_ids, rows, b)
+        d = (1, 2, env.depth, 0)[self.n % 4]
+        self.n += 1
+        self.depths.append(d)
+        if d == 0:
+            return Plan(0, [], list(rows))
+        return Plan(d, list(rows), [], p.expected, p.cost_s)
+
+
+PROMPTS = [[1, 5, 9, 13, 2, 7, 1, 5, 9, 13, 2, 7, 1, 5], [3, 4, 5, 6]]
+
+
+@pytest.mark.parametrize("speculation", ["adaptive", "off", "cut"])
+def test_every_budget_is_lossless_greedy_and_seeded(target_dir, speculation):
+    """The lossless suite's property under each mode, and under budgets cut to every
+    depth of a tree envelope (tree-small, the draft = the target: deep accepts): greedy
+    output equals plain greedy, a coupled seeded sample equals the same seed's sample
+    without speculation."""
+    import asyncio
+
+    from common.client import AsyncTreespecClient
+    from inproc import greedy_reference, services
+
+    async def go(spec: bool):
+        mode = "off" if not spec else "adaptive" if speculation == "adaptive" else \
+            "always" if speculation == "cut" else speculation
+        async with services(target_dir, "model", target_dir, "tree-small",
+                            speculation=mode) as h:
+            if speculation == "cut" and spec:
+                cyc = Cycling(h["engine"].controller)
+                h["engine"].controller.plan = cyc.plan
+            async with AsyncTreespecClient(h["addr"]) as c:
+                greedy = await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=16,
+                                                           ignore_eos=True) for p in PROMPTS])
+                sampled = await c.generate(prompt_ids=PROMPTS[0], max_tokens=16,
+                                           ignore_eos=True, temperature=0.8, seed=11)
+            assert h["engine"].kv_pages_used == 0
+            return greedy, sampled, (cyc.depths if speculation == "cut" and spec else None)
+
+    greedy, sampled, depths = asyncio.run(go(True))
+    for p, out in zip(PROMPTS, greedy):
+        assert out.token_ids == greedy_reference(target_dir, p, 16)
+    if speculation == "cut":
+        assert {1, 2, 4, 0} <= set(depths)
+        assert sum(o.stats["accepted_tokens"] for o in greedy) > 0
+    _, plain_sample, _ = asyncio.run(go(False))
+    assert sampled.token_ids == plain_sample.token_ids

@@ -1,0 +1,202 @@
+"""How much to speculate: a budget chosen each step from measured cost and acceptance.
+
+Each step the engine asks ``Controller.plan`` for a *budget*: 0 (plain decode, the
+draft not asked) or a depth d from ``budget_depths(envelope)`` (the envelope's depth
+and its halvings). The draft is told d; its trees are cut to depth d
+(common.tree.cut_depth) and verified by the step graph of that width. The budget
+maximises expected committed tokens per second of the batch::
+
+    score(d) = (B + sum_i E_i[min(L_i, d)]) / cost(d, b)
+
+over the B sequences, the sum over those asked for a tree. E_i[min(L_i, d)] =
+sum_{k <= d} prod_{j <= k} c_ij, where c_ij is the rate at which sequence i's drafts
+were accepted at depth j when depth j - 1 was (decayed counts; a step verified to
+depth d says nothing past d, so an unused depth drifts back to the prior and is
+tried again), shrunk toward the batch's rates while a sequence has few steps.
+cost(d, b) is the measured wall time of whole steps (draft, hop, verify, commit)
+at batch bucket b, a running average per (d, b) that leaves out steps that captured
+a graph; a shape not measured at b borrows its ratio to plain decode from the
+nearest bucket that has both (1.05, optimistic, when none has), and plain decode is
+measured at a bucket after a few speculating steps there.
+
+A sequence whose expected gain falls under ``REST_BELOW`` tokens rests (runs plain
+inside a speculating batch, not asked) and is retried after 8, 16, ... 256 steps;
+when plain decode wins for the batch, speculation is retried after 16, 32, ... 1024
+plain steps. Modes: adaptive (this), always (every sequence, the whole envelope,
+every step), off (the draft is never asked). A budget changes speed, never tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.graph_buckets import BATCH_BUCKETS
+from common.tree import TreeEnvelope
+
+MODES = ("adaptive", "always", "off")
+REST_BELOW = 0.15          # expected accepted tokens a step under which a sequence rests
+BATCH_DECAY, SEQ_DECAY = 0.95, 0.95      # per step
+PRIOR_RATE, PRIOR_WEIGHT, SEQ_WEIGHT = 0.5, 1.0, 1.0
+UNKNOWN_RATIO = 1.05       # a shape's cost over plain decode's before it is measured
+PLAIN_AFTER = 4            # speculating steps at a bucket before plain decode is measured
+
+
+def budget_depths(env: TreeEnvelope) -> tuple[int, ...]:
+    """The budgets' depths, deepest first: the envelope's and its halvings (at most 4)."""
+    out: list[int] = []
+    d = env.depth
+    while d >= 1 and len(out) < 4:
+        out.append(d)
+        d //= 2
+    return tuple(out)
+
+
+class Counts:
+    """Decayed counts of drafts tried and accepted at each depth (index j - 1)."""
+
+    def __init__(self, depth: int, decay: float) -> None:
+        self.tried, self.hit, self.decay = np.zeros(depth), np.zeros(depth), decay
+
+    def add(self, budget: int, accepted: int) -> None:
+        """One draft verified to depth `budget` whose accepted path was `accepted` long:
+        depths 1 .. min(budget, accepted + 1) were tried, 1 .. accepted hit."""
+        self.tried[:min(budget, accepted + 1)] += 1
+        self.hit[:min(budget, accepted)] += 1
+
+    def fade(self) -> None:
+        self.tried *= self.decay
+        self.hit *= self.decay
+
+    def rates(self, prior: np.ndarray, weight: float) -> np.ndarray:
+        return (self.hit + weight * prior) / (self.tried + weight)
+
+
+def expected(rates: np.ndarray) -> np.ndarray:
+    """E[min(L, d)] for d = 0 .. depth from conditional acceptance rates."""
+    return np.concatenate([[0.0], np.cumsum(np.cumprod(rates))])
+
+
+@dataclass
+class _Seq:
+    counts: Counts
+    rest_until: int = 0         # the step count from which it is asked again
+    backoff: int = 8
+
+
+@dataclass
+class Plan:
+    depth: int                          # 0: plain decode, the draft not asked
+    rows: list[int]                     # the candidates asked for a tree
+    resting: list[int] = field(default_factory=list)   # candidates left plain
+    expected: float = 0.0               # expected committed tokens of the step
+    cost_s: float | None = None         # its measured wall time (None: not yet known)
+    forced: bool = False                # a retry of speculation after plain steps
+
+
+class Controller:
+    def __init__(self, mode: str = "adaptive") -> None:
+        if mode not in MODES:
+            raise ValueError(f"speculation must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
+        self.env: TreeEnvelope | None = None
+        self.batch: Counts | None = None
+        self._seqs: dict[int, _Seq] = {}
+        self._cost: dict[tuple[int, int], float] = {}
+        self._spec_steps: dict[int, int] = {}       # speculating steps measured per bucket
+        self.steps = 0
+        self._plain_run, self._retry = 0, 16
+
+    def _envelope(self, env: TreeEnvelope) -> None:
+        if env != self.env:             # a new draft (handshake): start over
+            self.env, self.batch, self._seqs = env, Counts(env.depth, BATCH_DECAY), {}
+            self._cost.clear()
+            self._spec_steps.clear()
+
+    def plan(self, env: TreeEnvelope, seq_ids: list[int], rows: list[int], b: int) -> Plan:
+        """The budget for a step of len(seq_ids) sequences (batch bucket b) of which
+        `rows` may speculate."""
+        if self.mode == "off" or not rows:
+            return Plan(0, [], list(rows))
+        self._envelope(env)
+        if self.mode == "always":
+            return Plan(env.depth, list(rows))
+        forced = self._plain_run >= self._retry         # a retry: every row is asked
+        prior = self.batch.rates(np.full(env.depth, PRIOR_RATE), PRIOR_WEIGHT)
+        ask, resting, gain = [], [], 0.0
+        for r in rows:
+            s = self._seqs.setdefault(seq_ids[r], _Seq(Counts(env.depth, SEQ_DECAY)))
+            if forced or s.rest_until <= self.steps:
+                ask.append(r)
+                gain = gain + expected(s.counts.rates(prior, SEQ_WEIGHT))
+            else:
+                resting.append(r)
+        n = len(seq_ids)
+        plain = Plan(0, [], list(rows), float(n), self._cost.get((0, b)))
+        if not ask:
+            return plain
+        spec = max((Plan(d, ask, resting, n + gain[d], self._cost.get((d, b)), forced)
+                    for d in budget_depths(env)), key=lambda p: p.expected / self._ratio(p.depth, b))
+        if forced:
+            return spec
+        if spec.expected / self._ratio(spec.depth, b) <= n or (
+                self._spec_steps.get(b, 0) >= PLAIN_AFTER and (0, b) not in self._cost):
+            return plain                # plain wins, or is not yet measured here
+        return spec
+
+    def _ratio(self, d: int, b: int) -> float:
+        """cost(d, b) / cost(0, b): measured, or borrowed from the nearest bucket that
+        measured both, or UNKNOWN_RATIO (optimistic: the shape gets tried where it
+        could win)."""
+        if d == 0:
+            return 1.0
+        near = sorted((abs(BATCH_BUCKETS.index(x) - BATCH_BUCKETS.index(b))
+                       if x in BATCH_BUCKETS and b in BATCH_BUCKETS else abs(x - b), x)
+                      for (dd, x) in self._cost if dd == d and (0, x) in self._cost)
+        if not near:
+            return UNKNOWN_RATIO
+        x = near[0][1]
+        return self._cost[(d, x)] / self._cost[(0, x)]
+
+    def observe(self, plan: Plan, seq_ids: list[int], accepted: list[int], b: int,
+                seconds: float | None) -> None:
+        """What the planned step did: the accepted path length of each row asked (in
+        plan.rows' order; -1: no tree, still syncing), and its wall time (None: it
+        captured a graph)."""
+        self.steps += 1
+        if self.mode != "adaptive" or self.batch is None:
+            return
+        if plan.depth:
+            self._plain_run = 0
+            self._retry = min(2 * self._retry, 1024) if plan.forced else 16
+            self.batch.fade()
+            for r, a in zip(plan.rows, accepted):
+                if a < 0:               # a row still syncing: its tree was padding
+                    continue
+                s = self._seqs[seq_ids[r]]
+                s.counts.fade()
+                s.counts.add(plan.depth, a)
+                self.batch.add(plan.depth, a)
+                self._rest(s)
+            self._spec_steps[b] = self._spec_steps.get(b, 0) + 1
+        elif plan.resting:
+            self._plain_run += 1
+        if seconds is not None:
+            old = self._cost.get((plan.depth, b))
+            if old is None:
+                self._cost[(plan.depth, b)] = seconds
+            else:                       # quick to fall, slow to rise past outliers
+                a = 0.3 if seconds < old else 0.1
+                self._cost[(plan.depth, b)] = old + a * (min(seconds, 3 * old) - old)
+
+    def _rest(self, s: _Seq) -> None:
+        prior = self.batch.rates(np.full(self.env.depth, PRIOR_RATE), PRIOR_WEIGHT)
+        gain = expected(s.counts.rates(prior, SEQ_WEIGHT))[-1]
+        if gain >= REST_BELOW:
+            s.backoff = 8
+        elif s.counts.tried[0] >= 2:
+            s.rest_until, s.backoff = self.steps + s.backoff, min(2 * s.backoff, 256)
+
+    def forget(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
