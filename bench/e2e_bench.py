@@ -27,9 +27,12 @@ def start(name: str, argv: list[str], timeout: float = 600,
 
 def verify_argv(model: str, device: str, draft: str | None, max_batch: int,
                 extra: tuple[str, ...] = ()) -> list[str]:
+    # every step speculates: the instruments measure the speculative path at a set
+    # acceptance; what the controller chooses is bench/drafters.py's to measure
     argv = cli_command("verify", "--model", model, "--port", "0", "--device", device,
                        "--max-batch", str(max_batch), "--num-blocks", "6000",
-                       "--step-deadline-ms", "2000", "--metrics-port", "0", *extra)
+                       "--step-deadline-ms", "2000", "--metrics-port", "0",
+                       "--speculation", "always", *extra)
     return argv + (["--draft", draft] if draft else [])
 
 

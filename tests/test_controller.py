@@ -9,9 +9,14 @@ import pytest
 import torch
 
 from common.tree import PAD, PRESETS, TreeBatch, budget_nodes, cut_depth
+from common.spec_types import DrafterInfo
 from verify_service.controller import Controller, Plan, budget_depths
 
 CHAIN4 = PRESETS["chain4"]
+
+
+def info(env=CHAIN4) -> DrafterInfo:
+    return DrafterInfo(env, vocab_size=100, proposer="simulated")
 
 
 def test_budgets_are_the_envelope_and_its_halvings():
@@ -45,7 +50,7 @@ class World:
     sequence), and a step at depth d costs cost[d] seconds."""
 
     def __init__(self, p: list[float], cost: dict[int, float], env=CHAIN4, seed: int = 0):
-        self.p, self.cost, self.env = p, cost, env
+        self.p, self.cost, self.info = p, cost, info(env)
         self.rng = np.random.default_rng(seed)
 
     def accepted(self, r: int, depth: int) -> int:
@@ -63,7 +68,7 @@ class World:
         b = len(self.p)
         ids, tokens, seconds, plans = list(range(100, 100 + b)), 0, 0.0, []
         for _ in range(steps):
-            plan = ctl.plan(self.env, ids, list(range(b)), b)
+            plan = ctl.plan(self.info, ids, list(range(b)), b)
             acc = [self.accepted(r, plan.depth) for r in plan.rows]
             tokens += b + sum(acc)
             seconds += self.cost[plan.depth]
@@ -107,9 +112,21 @@ def test_sequences_whose_drafts_fail_rest_inside_a_speculating_batch():
     assert all(set(range(4)) <= set(x.rows) for x in late)   # the good four never do
 
 
+def test_a_new_draft_is_judged_afresh():
+    """A draft that accepted nothing turned speculation off; the next draft to connect
+    (a new handshake) is tried at once, not after the old one's retry interval."""
+    ctl = Controller()
+    bad = World([0.0] * 8, {0: 1.0, 1: 1.3, 2: 1.35, 4: 1.45})
+    _, plans = bad.run(ctl, 60)
+    assert not plans[-1].depth
+    good = World([0.9] * 8, {0: 1.0, 1: 1.3, 2: 1.35, 4: 1.45})
+    _, plans = good.run(ctl, 20)
+    assert plans[0].depth == 4 and sum(1 for p in plans if p.depth) >= 15
+
+
 def test_modes_always_and_off():
-    assert Controller("always").plan(CHAIN4, [1, 2], [0, 1], 2).depth == 4
-    off = Controller("off").plan(CHAIN4, [1, 2], [0, 1], 2)
+    assert Controller("always").plan(info(), [1, 2], [0, 1], 2).depth == 4
+    off = Controller("off").plan(info(), [1, 2], [0, 1], 2)
     assert off.depth == 0 and off.resting == [0, 1]
     with pytest.raises(ValueError, match="adaptive"):
         Controller("sometimes")
@@ -123,9 +140,9 @@ class Cycling:
         self.ctl, self.n = ctl, 0
         self.plan_real, self.depths = ctl.plan, []
 
-    def plan(self, env, seq_ids, rows, b):
-        p = self.plan_real(env, seq_ids, rows, b)
-        d = (1, 2, env.depth, 0)[self.n % 4]
+    def plan(self, info, seq_ids, rows, b):
+        p = self.plan_real(info, seq_ids, rows, b)
+        d = (1, 2, info.envelope.depth, 0)[self.n % 4]
         self.n += 1
         self.depths.append(d)
         if d == 0:

@@ -21,8 +21,8 @@ measured at a bucket after a few speculating steps there.
 
 A sequence whose expected gain falls under ``REST_BELOW`` tokens rests (runs plain
 inside a speculating batch, not asked) and is retried after 8, 16, ... 256 steps;
-when plain decode wins for the batch, speculation is retried after 16, 32, ... 1024
-plain steps. Modes: adaptive (this), always (every sequence, the whole envelope,
+when plain decode wins for the batch, speculation is retried after 16, 32, ... 256
+plain steps. A new draft handshake starts it over. Modes: adaptive (this), always (every sequence, the whole envelope,
 every step), off (the draft is never asked). A budget changes speed, never tokens.
 """
 
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.graph_buckets import BATCH_BUCKETS
+from common.spec_types import DrafterInfo
 from common.tree import TreeEnvelope
 
 MODES = ("adaptive", "always", "off")
@@ -40,6 +41,7 @@ REST_BELOW = 0.15          # expected accepted tokens a step under which a seque
 BATCH_DECAY, SEQ_DECAY = 0.95, 0.95      # per step
 PRIOR_RATE, PRIOR_WEIGHT, SEQ_WEIGHT = 0.5, 1.0, 1.0
 UNKNOWN_RATIO = 1.05       # a shape's cost over plain decode's before it is measured
+MAX_RETRY = 256            # the most plain steps between two tries of speculation
 PLAIN_AFTER = 4            # speculating steps at a bucket before plain decode is measured
 
 
@@ -100,6 +102,7 @@ class Controller:
         if mode not in MODES:
             raise ValueError(f"speculation must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
+        self._info: DrafterInfo | None = None
         self.env: TreeEnvelope | None = None
         self.batch: Counts | None = None
         self._seqs: dict[int, _Seq] = {}
@@ -108,18 +111,21 @@ class Controller:
         self.steps = 0
         self._plain_run, self._retry = 0, 16
 
-    def _envelope(self, env: TreeEnvelope) -> None:
-        if env != self.env:             # a new draft (handshake): start over
-            self.env, self.batch, self._seqs = env, Counts(env.depth, BATCH_DECAY), {}
+    def _draft(self, info: DrafterInfo) -> None:
+        if info is not self._info:      # a new handshake (another draft, perhaps): start over
+            self._info, self.env = info, info.envelope
+            self.batch, self._seqs = Counts(self.env.depth, BATCH_DECAY), {}
             self._cost.clear()
             self._spec_steps.clear()
+            self._plain_run, self._retry = 0, 16
 
-    def plan(self, env: TreeEnvelope, seq_ids: list[int], rows: list[int], b: int) -> Plan:
+    def plan(self, info: DrafterInfo, seq_ids: list[int], rows: list[int], b: int) -> Plan:
         """The budget for a step of len(seq_ids) sequences (batch bucket b) of which
-        `rows` may speculate."""
+        `rows` may speculate, with the draft of this handshake."""
         if self.mode == "off" or not rows:
             return Plan(0, [], list(rows))
-        self._envelope(env)
+        self._draft(info)
+        env = self.env
         if self.mode == "always":
             return Plan(env.depth, list(rows))
         forced = self._plain_run >= self._retry         # a retry: every row is asked
@@ -169,7 +175,7 @@ class Controller:
             return
         if plan.depth:
             self._plain_run = 0
-            self._retry = min(2 * self._retry, 1024) if plan.forced else 16
+            self._retry = min(2 * self._retry, MAX_RETRY) if plan.forced else 16
             self.batch.fade()
             for r, a in zip(plan.rows, accepted):
                 if a < 0:               # a row still syncing: its tree was padding

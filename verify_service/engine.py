@@ -239,7 +239,7 @@ class VerifyEngine:
         if self.link is None or not self.link.ready:
             return (Drafted(None, "no_draft" if self.link is None else "disconnected"),
                     Plan(0, rows))
-        plan = self.controller.plan(self.link.info.envelope, [s.seq_id for s in seqs], rows,
+        plan = self.controller.plan(self.link.info, [s.seq_id for s in seqs], rows,
                                     bucket(len(seqs)))
         if not plan.depth:
             return Drafted(None, "off_by_controller"), plan
