@@ -96,6 +96,9 @@ def test_the_targets_own_continuation_is_accepted_and_exact(target_dir):
     assert outs == [refs[tuple(p)] for p in PROMPTS]
     # every step commits a chain of 4 and its bonus: 19 tokens after prefill in 4 steps
     assert steps == [4, 4, 4] and not engine.fallbacks
+    # the first step of a budget captured every budget's graph (the controller may try
+    # depth 2 or 1 later without a capture stalling a step)
+    assert {1, 2, 4} <= {k[0][0] for k in engine.verifier.buckets.graphs}
     assert sorted(drafter.released) == sorted(ids) and engine.kv_pages_used == 0
 
 

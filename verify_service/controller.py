@@ -34,7 +34,7 @@ import numpy as np
 
 from common.graph_buckets import BATCH_BUCKETS
 from common.spec_types import DrafterInfo
-from common.tree import TreeEnvelope
+from common.tree import TreeEnvelope, budget_nodes
 
 MODES = ("adaptive", "always", "off")
 REST_BELOW = 0.15          # expected accepted tokens a step under which a sequence rests
@@ -150,6 +150,11 @@ class Controller:
                 self._spec_steps.get(b, 0) >= PLAIN_AFTER and (0, b) not in self._cost):
             return plain                # plain wins, or is not yet measured here
         return spec
+
+    def shapes(self, env: TreeEnvelope) -> list[tuple[int, int]]:
+        """(tree width, depth) of each budget this controller may choose."""
+        depths = budget_depths(env) if self.mode == "adaptive" else (env.depth,)
+        return [(budget_nodes(env, d), d) for d in depths]
 
     def _ratio(self, d: int, b: int) -> float:
         """cost(d, b) / cost(0, b): measured, or borrowed from the nearest bucket that

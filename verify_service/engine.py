@@ -149,6 +149,7 @@ class VerifyEngine:
                 if self.link is not None and self.link.info is not None:
                     # capture what the drafter reads, from before any prefill it needs
                     self.verifier.capture_layers = self.link.info.target_hidden_layers
+                    self.verifier.budgets = self.controller.shapes(self.link.info.envelope)
                 await self._admit()
                 if self.running:
                     await self._step()
@@ -266,12 +267,11 @@ class VerifyEngine:
         drafted, plan = await self._draft(seqs)
         t1 = time.time_ns()
         trees, index = None, None
-        if drafted.trees is not None and any(drafted.trees.num_valid()):
+        if drafted.trees is not None and any(drafted.trees.num_valid()):   # else: plain graph
             env = self.link.info.envelope
             trees, index = cut_depth(drafted.trees.scatter(plan.rows, len(seqs)), plan.depth,
                                      budget_nodes(env, plan.depth))
             self.verifier.siblings = env.topk
-        # (trees of padding only: the plain decode graph, not the envelope's)
         captures = self.verifier.buckets.captures
         res = await self.runner.step([s.pages for s in seqs], [s.tokens[-1] for s in seqs],
                                      trees, plan.depth if trees is not None else 0,

@@ -62,6 +62,7 @@ class Verifier:
         self.model, self.cache, self.ops = model, cache, ops
         self.capture_layers: tuple[int, ...] = ()   # target layers a drafter reads
         self.siblings = 1           # children per node rejection sampling tries (topk)
+        self.budgets: list[tuple[int, int]] = []   # (tree width, depth) the controller uses
         self.buckets = BucketedGraphs(cache, capture)
         self._host: dict[torch.Size, torch.Tensor] = {}     # pinned readback buffers
         self._done: torch.cuda.Event | None = None          # readback finished
@@ -128,9 +129,25 @@ class Verifier:
         self._reserve(pages, n)
         gb = self.buckets
         b, p = gb.buckets(pages)
-        walk, cap, dev = (depth if n else 0), self.capture_layers, self.cache.device
         family = self._family(n, params, trees)
-        sampled, q, siblings = family[2:]
+        if n and (family, b, p) not in gb.graphs:
+            # a budget's first step here: every budget's graph now, so that the
+            # controller trying another later stalls no step on a capture
+            for w, d in self.budgets:
+                if w != n:
+                    self._graph((w, *family[1:]), d, b, p)
+        graph = self._graph(family, depth if n else 0, b, p)
+        sampled, q = family[2:4]
+        out, *path = graph(pack_inputs(roots, [sp.kv_len for sp in pages], trees,
+                                       [sp.pages for sp in pages], b, p, gb.scratch,
+                                       params if sampled else None, q))
+        host, done = self._readback(out)
+        return PendingStep(pages, host, done, path[0] if path else None)
+
+    def _graph(self, family: tuple, walk: int, b: int, p: int):
+        """The step graph of this family (_family) accepting paths up to walk deep."""
+        n, cap, sampled, q, siblings = family
+        gb, dev = self.buckets, self.cache.device
 
         def example(bb: int) -> list[torch.Tensor]:
             pad = None if n == 0 else TreeBatch.padding(bb, n)
@@ -144,12 +161,7 @@ class Verifier:
             return packed_step(self.model, self.cache, self.ops, walk, cap, n, sampled, packed,
                                q, siblings)
 
-        graph = gb.get(family, b, p, example, fn)
-        out, *path = graph(pack_inputs(roots, [sp.kv_len for sp in pages], trees,
-                                       [sp.pages for sp in pages], b, p, gb.scratch,
-                                       params if sampled else None, q))
-        host, done = self._readback(out)
-        return PendingStep(pages, host, done, path[0] if path else None)
+        return gb.get(family, b, p, example, fn)
 
     def _readback(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """out's values on the host: a non-blocking copy into a reused pinned buffer
