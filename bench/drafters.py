@@ -129,6 +129,10 @@ def main() -> None:
     ap.add_argument("--shadow-accept", type=int, default=3,
                     help="draft tokens the shadow replay has accepted a step (3: 4 tokens a step)")
     ap.add_argument("--verify-args", default="", help="extra verify flags, space-separated")
+    ap.add_argument("--warmup-tokens", type=int, default=32,
+                    help="an untimed run of this many tokens before each row's batch: graph "
+                         "captures and the controller's first tries are one-offs a serving "
+                         "process pays once, not in every 128 tokens")
     ap.add_argument("--budget-s", type=float, default=1e9,
                     help="start no configuration after this many seconds")
     a = ap.parse_args()
@@ -157,7 +161,7 @@ def main() -> None:
         url = metrics_url(v)
         for b in batches:
             r = throughput(v.addr, sets[b], a.max_tokens, no_spec=True, metrics=url,
-                           reps=3 if b == 1 else 1)
+                           reps=3 if b == 1 else 1, warmup=a.warmup_tokens)
             res["plain"][str(b)] = {**{k: r[k] for k in ("tok_s", "step_ms") if k in r},
                                     "ids": r["ids"]}
             print(f"plain b={b}: {r['tok_s']:.1f} tok/s", flush=True)
@@ -200,7 +204,7 @@ def run_config(method: str, envelope: str, mode: str, port: int, work: Path,
         for b, prompts in sets.items():
             before, bytes0 = fallback_counts(url), totals(url, HIDDEN)
             r = throughput(v.addr, prompts, a.max_tokens, no_spec=False, metrics=url,
-                           reps=3 if b == 1 else 1)
+                           reps=3 if b == 1 else 1, warmup=a.warmup_tokens)
             rows[str(b)] = row(r, r.pop("ids"), plain[str(b)], before, fallback_counts(url))
             if url is not None:             # bytes of hidden states per drafted step
                 got = {k: v - bytes0[k] for k, v in totals(url, HIDDEN).items()}

@@ -37,14 +37,15 @@ def verify_argv(model: str, device: str, draft: str | None, max_batch: int,
 
 
 async def _batch(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bool,
-                 reps: int, mark) -> list[tuple[float, list[dict], list[list[int]]]]:
-    """reps timed runs of the batch after one warm-up; mark() before each and after
-    the last."""
+                 reps: int, mark, warmup: int = 8
+                 ) -> list[tuple[float, list[dict], list[list[int]]]]:
+    """reps timed runs of the batch after one warm-up of warmup tokens; mark() before
+    each and after the last."""
     runs = []
     async with AsyncTreespecClient(addr, timeout=600) as c:
         await c.wait_ready(600)
         # warm-up: captures this batch bucket's graphs
-        await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=8, ignore_eos=True,
+        await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=warmup, ignore_eos=True,
                                           no_speculation=no_spec) for p in prompts])
         for _ in range(reps):
             mark()
@@ -59,15 +60,16 @@ async def _batch(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: 
 
 
 def throughput(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bool,
-               metrics: str | None = None, reps: int = 1) -> dict:
+               metrics: str | None = None, reps: int = 1, warmup: int = 8) -> dict:
     """The batch's figures over one timed run, or over the median (by tok/s) of reps
-    runs, with every run's tok/s under tok_s_runs."""
+    runs, with every run's tok/s under tok_s_runs; after an untimed warm-up run of
+    warmup tokens."""
     marks: list[dict] = []
 
     def mark() -> None:
         marks.append(step_sums(metrics))
 
-    runs = asyncio.run(_batch(addr, prompts, max_tokens, no_spec, reps, mark))
+    runs = asyncio.run(_batch(addr, prompts, max_tokens, no_spec, reps, mark, warmup))
     rates = [sum(s["completion_tokens"] for s in st) / dt for dt, st, _ in runs]
     i = sorted(range(reps), key=rates.__getitem__)[reps // 2]
     (dt, stats, ids), before, after = runs[i], marks[i], marks[i + 1]

@@ -188,3 +188,16 @@ def test_every_budget_is_lossless_greedy_and_seeded(target_dir, speculation):
         assert sum(o.stats["accepted_tokens"] for o in greedy) > 0
     _, plain_sample, _ = asyncio.run(go(False))
     assert sampled.token_ids == plain_sample.token_ids
+
+
+def test_a_sequences_counts_survive_another_ending():
+    from verify_service.controller import Counts
+    c = Counts(4, 0.9)
+    c.slots(list(range(10)))                        # past the first 8 slots: it grows
+    c.add(c.slots([9]), 4, np.array([2]))
+    before = c.tried[c.slots([9])].copy(), c.hit[c.slots([9])].copy()
+    c.forget(3)                                     # 9 moves into 3's slot
+    assert c.slots([9]).tolist() == [3]
+    assert np.array_equal(c.tried[[3]], before[0]) and np.array_equal(c.hit[[3]], before[1])
+    assert before[0].tolist() == [[1, 1, 1, 0]] and before[1].tolist() == [[1, 1, 0, 0]]
+    assert not c.tried[9].any() and c.slots([42]).tolist() == [9]

@@ -15,7 +15,7 @@ depth d says nothing past d, so an unused depth drifts back to the prior and is
 tried again), shrunk toward the batch's rates while a sequence has few steps.
 cost(d, b) is the measured wall time of whole steps (draft, hop, verify, commit)
 at batch bucket b, a running average per (d, b) that leaves out steps that captured
-a graph; a shape not measured at b borrows its ratio to plain decode from the
+a graph or where the draft caught up with a sequence (new, or back from a rest); a shape not measured at b borrows its ratio to plain decode from the
 nearest bucket that has both (1.05, optimistic, when none has), and plain decode is
 measured at a bucket after a few speculating steps there.
 
@@ -56,35 +56,64 @@ def budget_depths(env: TreeEnvelope) -> tuple[int, ...]:
 
 
 class Counts:
-    """Decayed counts of drafts tried and accepted at each depth (index j - 1)."""
+    """Decayed counts of drafts tried and accepted at each depth (column j - 1), one
+    row per sequence (a slot, handed to another once its sequence ends), or one row
+    for the batch."""
 
     def __init__(self, depth: int, decay: float) -> None:
-        self.tried, self.hit, self.decay = np.zeros(depth), np.zeros(depth), decay
+        self.depth, self.decay = depth, decay
+        self.tried, self.hit = np.zeros((8, depth)), np.zeros((8, depth))
+        self.rest_until = np.zeros(8, dtype=np.int64)   # the step it is asked again from
+        self.backoff = np.full(8, 8, dtype=np.int64)    # its next rest's length
+        self._slot: dict[int, int] = {}
+        self._j = np.arange(1, depth + 1)
 
-    def add(self, budget: int, accepted: int) -> None:
-        """One draft verified to depth `budget` whose accepted path was `accepted` long:
-        depths 1 .. min(budget, accepted + 1) were tried, 1 .. accepted hit."""
-        self.tried[:min(budget, accepted + 1)] += 1
-        self.hit[:min(budget, accepted)] += 1
+    def slots(self, ids: list[int]) -> np.ndarray:
+        for i in ids:
+            if i not in self._slot:
+                if len(self._slot) == len(self.tried):      # full: twice the room
+                    self.tried, self.hit, self.rest_until, self.backoff = (
+                        np.concatenate([x, np.zeros_like(x) + fill]) for x, fill in (
+                            (self.tried, 0), (self.hit, 0), (self.rest_until, 0),
+                            (self.backoff, 8)))
+                self._slot[i] = len(self._slot)
+        return np.array([self._slot[i] for i in ids], dtype=np.int64)
 
-    def fade(self) -> None:
-        self.tried *= self.decay
-        self.hit *= self.decay
+    def forget(self, seq_id: int) -> None:
+        """Its slot goes to the sequence in the last slot, whose slot is cleared."""
+        slot = self._slot.pop(seq_id, None)
+        if slot is None:
+            return
+        last = len(self._slot)
+        if slot != last:
+            self._slot[next(k for k, v in self._slot.items() if v == last)] = slot
+            for x in (self.tried, self.hit, self.rest_until, self.backoff):
+                x[slot] = x[last]
+        self.tried[last], self.hit[last] = 0, 0
+        self.rest_until[last], self.backoff[last] = 0, 8
 
-    def rates(self, prior: np.ndarray, weight: float) -> np.ndarray:
-        return (self.hit + weight * prior) / (self.tried + weight)
+    def add(self, slots: np.ndarray, budget: int, accepted: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray]:
+        """Fade these rows, then count a draft each verified to depth `budget` whose
+        accepted path was `accepted` long (depths 1 .. min(budget, a + 1) tried, 1 ..
+        min(budget, a) hit); returns what was added (tried, hit), [len(slots), depth]."""
+        a = accepted[:, None]
+        tried = (self._j <= np.minimum(budget, a + 1)).astype(float)
+        hit = (self._j <= np.minimum(budget, a)).astype(float)
+        self.tried[slots] = self.tried[slots] * self.decay + tried
+        self.hit[slots] = self.hit[slots] * self.decay + hit
+        return tried, hit
+
+    def rates(self, slots: np.ndarray, prior: np.ndarray, weight: float) -> np.ndarray:
+        return (self.hit[slots] + weight * prior) / (self.tried[slots] + weight)
 
 
 def expected(rates: np.ndarray) -> np.ndarray:
-    """E[min(L, d)] for d = 0 .. depth from conditional acceptance rates."""
-    return np.concatenate([[0.0], np.cumsum(np.cumprod(rates))])
-
-
-@dataclass
-class _Seq:
-    counts: Counts
-    rest_until: int = 0         # the step count from which it is asked again
-    backoff: int = 8
+    """E[min(L, d)] for d = 0 .. depth (columns) from conditional acceptance rates
+    [n, depth], a row per sequence."""
+    out = np.zeros((rates.shape[0], rates.shape[1] + 1))
+    out[:, 1:] = np.cumsum(np.cumprod(rates, 1), 1)
+    return out
 
 
 @dataclass
@@ -104,8 +133,7 @@ class Controller:
         self.mode = mode
         self._info: DrafterInfo | None = None
         self.env: TreeEnvelope | None = None
-        self.batch: Counts | None = None
-        self._seqs: dict[int, _Seq] = {}
+        self.batch = self.seqs = None       # Counts: of the batch (one row), per sequence
         self._cost: dict[tuple[int, int], float] = {}
         self._spec_steps: dict[int, int] = {}       # speculating steps measured per bucket
         self.steps = 0
@@ -114,7 +142,8 @@ class Controller:
     def _draft(self, info: DrafterInfo) -> None:
         if info is not self._info:      # a new handshake (another draft, perhaps): start over
             self._info, self.env = info, info.envelope
-            self.batch, self._seqs = Counts(self.env.depth, BATCH_DECAY), {}
+            self.batch = Counts(self.env.depth, BATCH_DECAY)
+            self.seqs = Counts(self.env.depth, SEQ_DECAY)
             self._cost.clear()
             self._spec_steps.clear()
             self._plain_run, self._retry = 0, 16
@@ -129,15 +158,11 @@ class Controller:
         if self.mode == "always":
             return Plan(env.depth, list(rows))
         forced = self._plain_run >= self._retry         # a retry: every row is asked
-        prior = self.batch.rates(np.full(env.depth, PRIOR_RATE), PRIOR_WEIGHT)
-        ask, resting, gain = [], [], 0.0
-        for r in rows:
-            s = self._seqs.setdefault(seq_ids[r], _Seq(Counts(env.depth, SEQ_DECAY)))
-            if forced or s.rest_until <= self.steps:
-                ask.append(r)
-                gain = gain + expected(s.counts.rates(prior, SEQ_WEIGHT))
-            else:
-                resting.append(r)
+        slots = self.seqs.slots([seq_ids[r] for r in rows])
+        due = np.ones(len(rows), bool) if forced else self.seqs.rest_until[slots] <= self.steps
+        ask = [r for r, m in zip(rows, due) if m]
+        resting = [r for r, m in zip(rows, due) if not m]
+        gain = expected(self.seqs.rates(slots[due], self._prior(), SEQ_WEIGHT)).sum(0)
         n = len(seq_ids)
         plain = Plan(0, [], list(rows), float(n), self._cost.get((0, b)))
         if not ask:
@@ -174,22 +199,21 @@ class Controller:
                 seconds: float | None) -> None:
         """What the planned step did: the accepted path length of each row asked (in
         plan.rows' order; -1: no tree, still syncing), and its wall time (None: it
-        captured a graph)."""
+        captured a graph or the draft caught up: not what a step costs)."""
         self.steps += 1
         if self.mode != "adaptive" or self.batch is None:
             return
         if plan.depth:
             self._plain_run = 0
             self._retry = min(2 * self._retry, MAX_RETRY) if plan.forced else 16
-            self.batch.fade()
-            for r, a in zip(plan.rows, accepted):
-                if a < 0:               # a row still syncing: its tree was padding
-                    continue
-                s = self._seqs[seq_ids[r]]
-                s.counts.fade()
-                s.counts.add(plan.depth, a)
-                self.batch.add(plan.depth, a)
-                self._rest(s)
+            got = [(r, a) for r, a in zip(plan.rows, accepted) if a >= 0]   # -1: syncing
+            if got:
+                slots = self.seqs.slots([seq_ids[r] for r, _ in got])
+                tried, hit = self.seqs.add(slots, plan.depth, np.array([a for _, a in got]))
+                bt = self.batch
+                bt.tried[0] = bt.tried[0] * bt.decay + tried.sum(0)
+                bt.hit[0] = bt.hit[0] * bt.decay + hit.sum(0)
+                self._rest(slots)
             self._spec_steps[b] = self._spec_steps.get(b, 0) + 1
         elif plan.resting:
             self._plain_run += 1
@@ -201,13 +225,21 @@ class Controller:
                 a = 0.3 if seconds < old else 0.1
                 self._cost[(plan.depth, b)] = old + a * (min(seconds, 3 * old) - old)
 
-    def _rest(self, s: _Seq) -> None:
-        prior = self.batch.rates(np.full(self.env.depth, PRIOR_RATE), PRIOR_WEIGHT)
-        gain = expected(s.counts.rates(prior, SEQ_WEIGHT))[-1]
-        if gain >= REST_BELOW:
-            s.backoff = 8
-        elif s.counts.tried[0] >= 2:
-            s.rest_until, s.backoff = self.steps + s.backoff, min(2 * s.backoff, 256)
+    def _prior(self) -> np.ndarray:
+        """The batch's rates: what a sequence's own few steps are shrunk toward."""
+        return self.batch.rates(np.zeros(1, np.int64), np.full(self.env.depth, PRIOR_RATE),
+                                PRIOR_WEIGHT)[0]
+
+    def _rest(self, slots: np.ndarray) -> None:
+        """Rest the sequences whose expected gain fell under REST_BELOW (once they
+        have tried twice), each time twice as long; a gaining one's rest resets."""
+        s = self.seqs
+        gain = expected(s.rates(slots, self._prior(), SEQ_WEIGHT))[:, -1]
+        s.backoff[slots[gain >= REST_BELOW]] = 8
+        tired = slots[(gain < REST_BELOW) & (s.tried[slots, 0] >= 2)]
+        s.rest_until[tired] = self.steps + s.backoff[tired]
+        s.backoff[tired] = np.minimum(2 * s.backoff[tired], 256)
 
     def forget(self, seq_id: int) -> None:
-        self._seqs.pop(seq_id, None)
+        if self.seqs is not None:
+            self.seqs.forget(seq_id)

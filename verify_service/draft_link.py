@@ -200,7 +200,7 @@ class DraftLink:
         finally:
             self.sync.sent(seqs, out)
         return Drafted(None, None, out.request.step_id, syncing=out.syncing,
-                       hidden_bytes=out.hidden_bytes)
+                       hidden_bytes=out.hidden_bytes, catch_up=True)
 
     def _deliver(self, msg: pb.Proposal) -> None:
         """Hand the awaited answer to propose(); an answer nobody waits for (late, or
@@ -278,4 +278,5 @@ class DraftLink:
                               *(None if x is None else x[keep]
                                 for x in (trees.q_ids, trees.q_probs)))
         return Drafted(trees.scatter([out.rows[j] for j in keep], len(seqs)), None, step,
-                       stamps, out.syncing, out.hidden_bytes)
+                       stamps, out.syncing, out.hidden_bytes,
+                       out.catch_up(self._info.envelope.depth))

@@ -63,6 +63,10 @@ class Outgoing:
     ends: list[int]                 # per row: committed tokens the draft holds after it
     hidden_bytes: int = 0           # target hidden states it carries
 
+    def catch_up(self, depth: int) -> bool:
+        """Whether a sequence gets more new tokens than a step of depth commits."""
+        return any(len(u.new_tokens) > depth + 1 for u in self.request.seqs)
+
 
 class DraftSync:
     def __init__(self, max_hidden_bytes: int | None = None, rejection: bool = False

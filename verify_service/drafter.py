@@ -41,6 +41,9 @@ class Drafted:
     # sequences (indices) still being synced with the draft: their rows are padding
     syncing: list[int] = field(default_factory=list)
     hidden_bytes: int = 0                   # target hidden states the request carried
+    # the request brought some sequence more new tokens than a step commits (a new one,
+    # or one back from a rest): the draft caught up, so the step's time is not a step's
+    catch_up: bool = False
 
 
 class Drafter(Protocol):
