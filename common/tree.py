@@ -132,6 +132,8 @@ def cut_depth(trees: TreeBatch, depth: int, width: int) -> tuple[TreeBatch, np.n
     into [B, width]; with each kept node's index in trees ([B, width], -1 past them),
     or None when nothing was cut (trees itself returned)."""
     b, n = trees.parents.shape
+    if width == n and depth >= n:       # no tree of n nodes is deeper than n: nothing to cut
+        return trees, None
     d = node_depths(trees.parents).numpy()
     keep = (trees.parents.numpy() != PAD) & (d <= depth)
     keep &= np.cumsum(keep, 1) <= width

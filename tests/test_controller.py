@@ -137,7 +137,7 @@ class Cycling:
     test double for choices the adaptive controller makes only at some costs)."""
 
     def __init__(self, ctl: Controller) -> None:
-        self.ctl, self.n = ctl, 0
+        self.n = 0
         self.plan_real, self.depths = ctl.plan, []
 
     def plan(self, info, seq_ids, rows, b):

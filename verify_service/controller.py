@@ -61,7 +61,7 @@ class Counts:
     for the batch."""
 
     def __init__(self, depth: int, decay: float) -> None:
-        self.depth, self.decay = depth, decay
+        self.decay = decay
         self.tried, self.hit = np.zeros((8, depth)), np.zeros((8, depth))
         self.rest_until = np.zeros(8, dtype=np.int64)   # the step it is asked again from
         self.backoff = np.full(8, 8, dtype=np.int64)    # its next rest's length
