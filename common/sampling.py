@@ -131,10 +131,16 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     sequence of the token being drawn) int64; width: as for filter_sparse. The noise
     is only computed for the W candidates: a token's noise depends on its id alone,
     so the draw is the one over the whole vocabulary."""
-    greedy = logits.argmax(-1)
-    vals, ids = filter_sparse(logits.float(), temperature, top_k, top_p, min_p, width)
+    filtered = filter_sparse(logits.float(), temperature, top_k, top_p, min_p, width)
+    return draw_filtered(logits, *filtered, temperature, seed, position)
+
+
+def draw_filtered(logits: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor,
+                  temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor
+                  ) -> torch.Tensor:
+    """draw, given filter_sparse's (vals, ids) of the same logits."""
     pick = (vals + gumbel_noise(seed, position, ids)).argmax(-1, keepdim=True)
-    return torch.where(temperature > 0, ids.gather(-1, pick).squeeze(-1), greedy)
+    return torch.where(temperature > 0, ids.gather(-1, pick).squeeze(-1), logits.argmax(-1))
 
 
 # A drafter's q under rejection sampling: its filtered distribution's DRAFT_Q likeliest

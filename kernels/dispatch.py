@@ -11,7 +11,7 @@ import torch
 Backend = Literal["auto", "reference", "triton"]
 
 KERNEL_NAMES = ("write_kv", "paged_tree_attention", "tree_ancestors", "accept_greedy",
-                "compact_kv",
+                "rejection_walk", "compact_kv",
                 "rms_norm", "add_rms_norm", "qk_norm_rope_write", "silu_mul", "linear",
                 "linear_silu_mul")
 

@@ -158,6 +158,79 @@ def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor,
     return accepted, num, bonus
 
 
+def rejection_walk(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
+                   p_ids: torch.Tensor | None, q_ids: torch.Tensor, q_probs: torch.Tensor,
+                   u: torch.Tensor, g: torch.Tensor, max_depth: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Recursive rejection sampling over trees (the method: common/rejection.py).
+
+    tokens, parents [B, N]; probs [B, T, W] the target's distribution at [root, node
+    0 .. N-1] (T = N + 1) over the tokens p_ids [B, T, W] (None: W is the vocabulary,
+    column = token id); q_ids, q_probs [B, N, Q] each node's q; u [B, T, S] the
+    uniforms of the accept tests of the first S children tried at each node; g [B, T,
+    W] the Gumbel noise of the bonus draw at each node. Returns what accept_greedy
+    does: accepted [B, max_depth] int32 (padded -1), num_accepted [B] int32, bonus
+    [B] int64."""
+    b, n = tokens.shape
+    dev, siblings = tokens.device, u.shape[-1]
+    rows = torch.arange(b, device=dev)
+    node_idx = torch.arange(n, device=dev).expand(b, n)
+    accepted = torch.full((b, max_depth), -1, dtype=torch.int32, device=dev)
+    num = torch.zeros(b, dtype=torch.int32, device=dev)
+    bonus = torch.zeros(b, dtype=torch.int64, device=dev)
+    cur = torch.full((b,), -1, dtype=torch.long, device=dev)      # -1 = the root
+    alive = torch.ones(b, dtype=torch.bool, device=dev)
+    for d in range(max_depth + 1):
+        r = probs[rows, cur + 1].float().clone()                    # [B, W] what is left of p
+        ids = None if p_ids is None else p_ids[rows, cur + 1].long()
+
+        def column(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """Column of tokens x [B, K] in r and whether it is there."""
+            if ids is None:
+                return x, torch.ones_like(x, dtype=torch.bool)
+            eq = ids.unsqueeze(1) == x.unsqueeze(-1)                        # [B, K, W]
+            return eq.int().argmax(-1), eq.any(-1)
+
+        mass = r.sum(-1)
+        found = torch.zeros(b, dtype=torch.bool, device=dev)
+        nxt = cur.clone()
+        if d < max_depth:
+            kids = (parents.long() == cur.unsqueeze(1)) & alive.unsqueeze(1)
+            rank = kids.long().cumsum(1) - 1
+            rejected = torch.full((b, max(1, siblings)), -1, dtype=torch.long, device=dev)
+            for j in range(siblings):
+                sel = kids & (rank == j)
+                has = sel.any(1) & ~found
+                idx = torch.where(sel, node_idx, n).min(1).values.clamp(max=n - 1)
+                x = tokens[rows, idx].long()
+                qi, qp = q_ids[rows, idx].long(), q_probs[rows, idx].float()      # [B, Q]
+                gone = (qi.unsqueeze(-1) == rejected.unsqueeze(1)).any(-1)
+                qp = torch.where(gone, 0.0, qp.clamp(min=0))
+                qp = qp / qp.sum(-1, keepdim=True).clamp(min=1e-30)
+                qx = (qp * (qi == x.unsqueeze(1))).sum(-1)
+                col, there = column(x.unsqueeze(1))
+                px = r.gather(1, col).squeeze(1) * there.squeeze(1) / mass.clamp(min=1e-30)
+                ok = has & (qx > 0) & (u[rows, cur + 1, j] * qx < px)
+                found |= ok
+                nxt = torch.where(ok, idx, nxt)
+                off = has & ~ok & (qx > 0)          # a node outside its q: skipped
+                col, there = column(qi)
+                cut = torch.minimum(r.gather(1, col), mass.unsqueeze(1) * qp)
+                cut = cut * (off.unsqueeze(1) & there)
+                r.scatter_add_(1, col, -cut)
+                mass = mass - cut.sum(-1)
+                rejected[:, j] = torch.where(off, x, -1)
+            accepted[:, d] = torch.where(found, nxt, -1).to(torch.int32)
+        stop = alive & ~found
+        pick = (r.clamp(min=0).log() + g[rows, cur + 1]).argmax(-1)
+        pick = pick if ids is None else ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+        bonus = torch.where(stop, pick, bonus)
+        num += found.to(torch.int32)
+        cur = nxt
+        alive &= found
+    return accepted, num, bonus
+
+
 def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor,
                dst: torch.Tensor) -> None:
     """Move KV of flat slots src -> dst [M] in every layer.

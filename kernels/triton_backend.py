@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference, triton_gemv
+from kernels import reference, triton_gemv, triton_rejection
 from kernels.triton_accept import accept_greedy
 from kernels.triton_fused import add_rms_norm, qk_norm_rope_write, rms_norm, silu_mul
 from kernels.triton_kv import compact_kv, write_kv
@@ -49,6 +49,21 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                                  chunk_parents, scale, ancestors)
 
 
-__all__ = ["write_kv", "paged_tree_attention", "tree_ancestors", "accept_greedy", "compact_kv",
+def rejection_walk(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
+                   p_ids: torch.Tensor | None, q_ids: torch.Tensor, q_probs: torch.Tensor,
+                   u: torch.Tensor, g: torch.Tensor, max_depth: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See kernels.reference.rejection_walk: one program per row over a sparse p (the
+    verify step's top-k candidates); a dense p (the whole vocabulary) takes the
+    reference."""
+    if p_ids is None:
+        return reference.rejection_walk(tokens, parents, probs, p_ids, q_ids, q_probs, u, g,
+                                        max_depth)
+    return triton_rejection.rejection_walk(tokens, parents, probs, p_ids, q_ids, q_probs, u,
+                                           g, max_depth)
+
+
+__all__ = ["write_kv", "paged_tree_attention", "tree_ancestors", "accept_greedy",
+           "rejection_walk", "compact_kv",
            "rms_norm", "add_rms_norm", "qk_norm_rope_write", "silu_mul", "linear",
            "linear_silu_mul"]

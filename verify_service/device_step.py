@@ -22,7 +22,7 @@ from common.forward_batch import device_forward_batch
 from common.kv_cache import PagedKVCache
 from common.qwen3 import Qwen3Model
 from common.rejection import accept_rejection
-from common.sampling import draw, filter_logits
+from common.sampling import draw_filtered, filter_sparse
 from common.tree import verify_chunk_layout
 
 
@@ -59,14 +59,18 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
     else:
         per_row = [x.repeat_interleave(t) for x in sampling]             # [B * T] each
         logits = ops.linear(hidden, model.lm_head.weight)
-        target_ids = draw(logits, *per_row, position=fb.positions + 1, width=width).view(b, t)
+        vals, ids = filter_sparse(logits.float(), *per_row[:4], width=width)
+        target_ids = draw_filtered(logits, vals, ids, per_row[0], per_row[4],
+                                   fb.positions + 1).view(b, t)
     accepted, num, bonus = ops.accept_greedy(tokens, parents, target_ids, depth)
     if rejection is not None and depth:
         q_ids, q_probs, siblings = rejection
-        probs = filter_logits(logits.float(), *per_row[:4], width=width).softmax(-1)
-        probs = probs.view(b, t, -1)
-        walked = accept_rejection(tokens, parents, probs, q_ids, q_probs, sampling[4],
-                                  (fb.positions + 1).view(b, t), depth, siblings)
+        p_ids = ids.view(b, t, -1) if ids.shape[-1] < logits.shape[-1] else None
+        if p_ids is None:        # the whole vocabulary sorted: p dense, in token order
+            vals = torch.full_like(vals, float("-inf")).scatter(-1, ids, vals)
+        walked = accept_rejection(tokens, parents, vals.softmax(-1).view(b, t, -1), q_ids,
+                                  q_probs, sampling[4], (fb.positions + 1).view(b, t), depth,
+                                  siblings, p_ids=p_ids, ops=ops)
         use = (sampling[0] > 0) & (q_probs.flatten(1) > 0).any(1)
         accepted, num, bonus = (torch.where(use.view(-1, *[1] * (x.dim() - 1)), w, x)
                                 for w, x in zip(walked, (accepted, num, bonus)))
