@@ -106,6 +106,11 @@ def checkpoints(a: argparse.Namespace, work: Path) -> None:
         shapes.random_dflash(a.target_shape, work / "dflash", a.device)
 
 
+def sampling(a: argparse.Namespace) -> dict | None:
+    """The requests' sampling fields (None: greedy)."""
+    return {"temperature": a.temperature, "top_k": 20, "top_p": 0.95} if a.temperature else None
+
+
 def shape_args(description: str) -> argparse.ArgumentParser:
     """The flags this benchmark and bench/drafter_step.py share."""
     ap = argparse.ArgumentParser(description=description)
@@ -135,6 +140,10 @@ def main() -> None:
                          "process pays once, not in every 128 tokens")
     ap.add_argument("--budget-s", type=float, default=1e9,
                     help="start no configuration after this many seconds")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: every request samples (Qwen3's top-k 20, top-p 0.95; prompt i "
+                         "seeded i); plain decode's samples are the replay's continuations and, "
+                         "under coupled acceptance, what every row must equal")
     a = ap.parse_args()
     import torch
     t0 = time.monotonic()
@@ -151,6 +160,7 @@ def main() -> None:
     out = Path(a.out)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "target": a.target_shape,
                  "draft": a.draft_shape, "ctx": a.ctx, "max_tokens": a.max_tokens,
+                 "sampling": sampling(a),
                  "plain": {}, "rows": {}, "errors": {}}
     port = free_port()
     v = start("verify", cli_command(
@@ -161,7 +171,8 @@ def main() -> None:
         url = metrics_url(v)
         for b in batches:
             r = throughput(v.addr, sets[b], a.max_tokens, no_spec=True, metrics=url,
-                           reps=3 if b == 1 else 1, warmup=a.warmup_tokens)
+                           reps=3 if b == 1 else 1, warmup=a.warmup_tokens,
+                           sampling=sampling(a))
             res["plain"][str(b)] = {**{k: r[k] for k in ("tok_s", "step_ms") if k in r},
                                     "ids": r["ids"]}
             print(f"plain b={b}: {r['tok_s']:.1f} tok/s", flush=True)
@@ -204,7 +215,8 @@ def run_config(method: str, envelope: str, mode: str, port: int, work: Path,
         for b, prompts in sets.items():
             before, bytes0 = fallback_counts(url), totals(url, HIDDEN)
             r = throughput(v.addr, prompts, a.max_tokens, no_spec=False, metrics=url,
-                           reps=3 if b == 1 else 1, warmup=a.warmup_tokens)
+                           reps=3 if b == 1 else 1, warmup=a.warmup_tokens,
+                           sampling=sampling(a))
             rows[str(b)] = row(r, r.pop("ids"), plain[str(b)], before, fallback_counts(url))
             if url is not None:             # bytes of hidden states per drafted step
                 got = {k: v - bytes0[k] for k, v in totals(url, HIDDEN).items()}

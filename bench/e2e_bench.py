@@ -37,22 +37,28 @@ def verify_argv(model: str, device: str, draft: str | None, max_batch: int,
 
 
 async def _batch(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bool,
-                 reps: int, mark, warmup: int = 8
+                 reps: int, mark, warmup: int = 8, sampling: dict | None = None
                  ) -> list[tuple[float, list[dict], list[list[int]]]]:
     """reps timed runs of the batch after one warm-up of warmup tokens; mark() before
-    each and after the last."""
+    each and after the last. sampling: the requests' sampling fields, prompt i seeded i."""
     runs = []
+
+    def args(i: int) -> dict:
+        return {**sampling, "seed": i} if sampling else {}
+
     async with AsyncTreespecClient(addr, timeout=600) as c:
         await c.wait_ready(600)
         # warm-up: captures this batch bucket's graphs
         await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=warmup, ignore_eos=True,
-                                          no_speculation=no_spec) for p in prompts])
+                                          no_speculation=no_spec, **args(i))
+                               for i, p in enumerate(prompts)])
         for _ in range(reps):
             mark()
             t0 = time.perf_counter()
             outs = await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=max_tokens,
-                                                     ignore_eos=True, no_speculation=no_spec)
-                                          for p in prompts])
+                                                     ignore_eos=True, no_speculation=no_spec,
+                                                     **args(i))
+                                          for i, p in enumerate(prompts)])
             runs.append((time.perf_counter() - t0, [o.stats for o in outs],
                          [o.token_ids for o in outs]))
         mark()
@@ -60,16 +66,18 @@ async def _batch(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: 
 
 
 def throughput(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bool,
-               metrics: str | None = None, reps: int = 1, warmup: int = 8) -> dict:
+               metrics: str | None = None, reps: int = 1, warmup: int = 8,
+               sampling: dict | None = None) -> dict:
     """The batch's figures over one timed run, or over the median (by tok/s) of reps
     runs, with every run's tok/s under tok_s_runs; after an untimed warm-up run of
-    warmup tokens."""
+    warmup tokens. sampling: as _batch's."""
     marks: list[dict] = []
 
     def mark() -> None:
         marks.append(step_sums(metrics))
 
-    runs = asyncio.run(_batch(addr, prompts, max_tokens, no_spec, reps, mark, warmup))
+    runs = asyncio.run(_batch(addr, prompts, max_tokens, no_spec, reps, mark, warmup,
+                             sampling))
     rates = [sum(s["completion_tokens"] for s in st) / dt for dt, st, _ in runs]
     i = sorted(range(reps), key=rates.__getitem__)[reps // 2]
     (dt, stats, ids), before, after = runs[i], marks[i], marks[i + 1]

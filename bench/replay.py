@@ -110,11 +110,16 @@ class ShadowReplay:
         self.replay.update(seq_id, tokens, new_count, accepted_nodes, hidden)
 
     def propose(self, seq_ids: list[int], sampling=None) -> TreeBatch:
-        self.inner.propose(seq_ids, sampling)    # its whole cost; its tree is not used
+        real = self.inner.propose(seq_ids, sampling)  # its whole cost; its tree is not used
         chain = self.replay.propose(seq_ids)
         b, d = chain.tokens.shape
         out = TreeBatch.padding(b, self.num_nodes)
         out.tokens[:, :d], out.parents[:, :d] = chain.tokens, chain.parents
+        if real.q_ids is not None:    # rejection sampling: the drafter's own q rows, each
+            qi, qp = real.q_ids.clone(), real.q_probs.clone()   # led by the replayed token
+            qp[:, :d][qi[:, :d] == chain.tokens.unsqueeze(-1)] = 0
+            qi[:, :d, 0] = chain.tokens
+            out.q_ids, out.q_probs = qi, qp
         return out
 
     def release(self, seq_id) -> None:
