@@ -57,7 +57,7 @@ run)
                      >>"$log" 2>&1 ;;
         attention) timeout "${ATTN_S:-150}" python3 bench/attention_probe.py \
                        --out "$OUT/attention_probe.json" >>"$log" 2>&1 ;;
-        accept) timeout "${ACCEPT_S:-120}" python3 bench/accept.py --device cuda --files 4 \
+        accept) timeout "${ACCEPT_S:-120}" python3 -m common.cli bench-accept --device cuda --files 4 \
                     --prompt-tokens 128 --max-tokens 48 --envelopes chain4,tree-small \
                     --methods model,eagle3 --json "$OUT/accept.json" ${ACCEPT_ARGS:-} \
                     >>"$log" 2>&1 ;;

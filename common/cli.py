@@ -4,6 +4,7 @@
     treespec verify ...             verify_service/cli.py
     treespec generate | health ...  common/client_cli.py
     treespec demo ...               common/demo.py
+    treespec bench-accept ...       common/bench_accept.py
 
 Each owner adds its flags to the subcommand's parser and runs it; the argument
 helpers both services use and the one place a server module is started
@@ -33,6 +34,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                "exit 0 when a service's gRPC health says SERVING"),
     "demo": ("common.demo", "add_arguments", "run_demo",
              "start both services locally and compare with plain decode"),
+    "bench-accept": ("common.bench_accept", "add_arguments", "run",
+                     "tokens per step of each proposer x envelope on held-out text"),
 }
 
 
