@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from common.errors import InvalidRequest
-from kernels.reference import gumbel_noise
+from kernels.noise import gumbel_noise
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ shapes never depend on the data:
   without replacement whose first child is the target's draw wherever the two
   models agree. Such a row is *static*: its i-th child (in pick order) scores
   ``ln 0.8 + i ln 0.2`` whatever its token, so the tree's shape never depends on
-  what was drawn (rejection sampling, common/rejection.py, needs that; coupled
+  what was drawn (rejection sampling, kernels.reference.rejection_walk, needs that; coupled
   acceptance gains by it, since the first picks are the likeliest accepted): a
   main chain of first children, later siblings where they fit. Each node keeps the
   q its siblings were drawn from (``q_ids``, ``q_probs``) when given;

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from common.tree import PAD
+from kernels.noise import BONUS_SALT, accept_uniforms, gumbel_noise
 
 BLOCK = -3          # a chunk parent: the query sees its whole chunk (padding aside)
 
@@ -160,19 +161,30 @@ def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor,
 
 def rejection_walk(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
                    p_ids: torch.Tensor | None, q_ids: torch.Tensor, q_probs: torch.Tensor,
-                   u: torch.Tensor, g: torch.Tensor, max_depth: int
+                   seed: torch.Tensor, position: torch.Tensor, max_depth: int, siblings: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Recursive rejection sampling over trees (the method: common/rejection.py).
+    """Rejection-sampling acceptance over trees (SpecInfer / recursive speculative
+    decoding). Each node carries the sparse q (ids, probs) it was drawn from, shared
+    by its siblings, drawn without replacement in node order. At each node, with p the
+    target's distribution there: the next sibling x is accepted with probability
+    min(1, p(x) / q(x)); on rejection p <- norm((p - q)+), x leaves q, and the next is
+    tried; when none is accepted the bonus is drawn from the p left. Every emitted
+    token is then an exact sample of the target, provided q is what each node was
+    drawn from and the tree's shape does not depend on the drawn tokens. A node whose
+    token has no mass in its q is skipped. Uniforms (accept_uniforms) and the bonus's
+    Gumbel noise are keyed by seed and position through their own salts.
+    Example: p = [0.5, 0.3, 0.2], siblings 1 then 0 drawn from q = [0.2, 0.8, 0]: 1 is
+    accepted w.p. 0.3 / 0.8; else p -> [0.6, 0, 0.4], q -> [1, 0, 0], 0 is accepted
+    w.p. 0.6; else the bonus is 2.
 
-    tokens, parents [B, N]; probs [B, T, W] the target's distribution at [root, node
-    0 .. N-1] (T = N + 1) over the tokens p_ids [B, T, W] (None: W is the vocabulary,
-    column = token id); q_ids, q_probs [B, N, Q] each node's q; u [B, T, S] the
-    uniforms of the accept tests of the first S children tried at each node; g [B, T,
-    W] the Gumbel noise of the bonus draw at each node. Returns what accept_greedy
-    does: accepted [B, max_depth] int32 (padded -1), num_accepted [B] int32, bonus
-    [B] int64."""
+    tokens, parents [B, N]; probs [B, T, W] p at [root, node 0 .. N-1] (T = N + 1)
+    over the tokens p_ids [B, T, W] (None: W is the vocabulary; the same seeds give
+    the same result either way); q_ids, q_probs [B, N, Q]; seed [B]; position [B, T]
+    the position drawn at each of [root, nodes]; at most ``siblings`` children tried
+    per node. Returns accept_greedy's: accepted [B, max_depth] int32 (-1 padded),
+    num_accepted [B] int32, bonus [B] int64."""
     b, n = tokens.shape
-    dev, siblings = tokens.device, u.shape[-1]
+    dev = tokens.device
     rows = torch.arange(b, device=dev)
     node_idx = torch.arange(n, device=dev).expand(b, n)
     accepted = torch.full((b, max_depth), -1, dtype=torch.int32, device=dev)
@@ -183,6 +195,7 @@ def rejection_walk(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Ten
     for d in range(max_depth + 1):
         r = probs[rows, cur + 1].float().clone()                    # [B, W] what is left of p
         ids = None if p_ids is None else p_ids[rows, cur + 1].long()
+        pos = position[rows, cur + 1]
 
         def column(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """Column of tokens x [B, K] in r and whether it is there."""
@@ -198,6 +211,7 @@ def rejection_walk(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Ten
             kids = (parents.long() == cur.unsqueeze(1)) & alive.unsqueeze(1)
             rank = kids.long().cumsum(1) - 1
             rejected = torch.full((b, max(1, siblings)), -1, dtype=torch.long, device=dev)
+            u = accept_uniforms(seed, pos, max(1, siblings))                  # [B, S]
             for j in range(siblings):
                 sel = kids & (rank == j)
                 has = sel.any(1) & ~found
@@ -210,7 +224,7 @@ def rejection_walk(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Ten
                 qx = (qp * (qi == x.unsqueeze(1))).sum(-1)
                 col, there = column(x.unsqueeze(1))
                 px = r.gather(1, col).squeeze(1) * there.squeeze(1) / mass.clamp(min=1e-30)
-                ok = has & (qx > 0) & (u[rows, cur + 1, j] * qx < px)
+                ok = has & (qx > 0) & (u[:, j] * qx < px)
                 found |= ok
                 nxt = torch.where(ok, idx, nxt)
                 off = has & ~ok & (qx > 0)          # a node outside its q: skipped
@@ -222,7 +236,8 @@ def rejection_walk(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Ten
                 rejected[:, j] = torch.where(off, x, -1)
             accepted[:, d] = torch.where(found, nxt, -1).to(torch.int32)
         stop = alive & ~found
-        pick = (r.clamp(min=0).log() + g[rows, cur + 1]).argmax(-1)
+        noise = gumbel_noise(seed ^ BONUS_SALT, pos, r.shape[-1] if ids is None else ids)
+        pick = (r.clamp(min=0).log() + noise).argmax(-1)
         pick = pick if ids is None else ids.gather(1, pick.unsqueeze(1)).squeeze(1)
         bonus = torch.where(stop, pick, bonus)
         num += found.to(torch.int32)
@@ -307,34 +322,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """silu_mul(linear(x, gate_up)): x [T, K], gate_up [2I, K] -> [T, I]."""
     return silu_mul(linear(x, gate_up))
-
-
-_M32 = 0xFFFFFFFF
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32) of int64 tensors holding values < 2^32; the
-    products wrap in int64 and only their low 32 bits are kept."""
-    x = x & _M32
-    x = (x ^ (x >> 16)) * 0x7FEB352D & _M32
-    x = (x ^ (x >> 15)) * 0x846CA68B & _M32
-    return x ^ (x >> 16)
-
-
-def uniform_noise(seed: torch.Tensor, position: torch.Tensor, ids: torch.Tensor | int
-                  ) -> torch.Tensor:
-    """Uniforms [R, V] float32 in (0, 1) for rows keyed (seed [R], position [R]) int64
-    and ids [V] or per row [R, V] (an int V: ids 0 .. V-1), from a hash of (seed,
-    position, id).
-    Counter-based: the same key gives the same number on any device, in any batch,
-    for an id whatever else is drawn beside it."""
-    key = _mix32(_mix32(seed.long()) ^ position.long())
-    if isinstance(ids, int):
-        ids = torch.arange(ids, device=seed.device, dtype=torch.int64)
-    return ((_mix32(key.unsqueeze(-1) ^ ids.long()) >> 8).float() + 0.5) / (1 << 24)
-
-
-def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, ids: torch.Tensor | int
-                 ) -> torch.Tensor:
-    """Gumbel noise [R, V]: -log(-log(u)) of uniform_noise's u (token ids as ids)."""
-    return -torch.log(-torch.log(uniform_noise(seed, position, ids)))

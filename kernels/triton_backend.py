@@ -51,16 +51,14 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def rejection_walk(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
                    p_ids: torch.Tensor | None, q_ids: torch.Tensor, q_probs: torch.Tensor,
-                   u: torch.Tensor, g: torch.Tensor, max_depth: int
+                   seed: torch.Tensor, position: torch.Tensor, max_depth: int, siblings: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See kernels.reference.rejection_walk: one program per row over a sparse p (the
     verify step's top-k candidates); a dense p (the whole vocabulary) takes the
     reference."""
-    if p_ids is None:
-        return reference.rejection_walk(tokens, parents, probs, p_ids, q_ids, q_probs, u, g,
-                                        max_depth)
-    return triton_rejection.rejection_walk(tokens, parents, probs, p_ids, q_ids, q_probs, u,
-                                           g, max_depth)
+    walk = reference.rejection_walk if p_ids is None else triton_rejection.rejection_walk
+    return walk(tokens, parents, probs, p_ids, q_ids, q_probs, seed, position, max_depth,
+                siblings)
 
 
 __all__ = ["write_kv", "paged_tree_attention", "tree_ancestors", "accept_greedy",

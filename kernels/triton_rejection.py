@@ -5,7 +5,8 @@ One program per sequence walks its tree from the root exactly as
 its W candidates (a top-k selection, W <= 64 as the verify step makes it) and a q of
 Q ids per node stay in registers, so a whole walk of depth D with S siblings tried
 per node is D x S vector steps in one kernel instead of hundreds of small ones over
-the vocabulary. A dense target distribution takes the reference.
+the vocabulary; the uniforms and the bonus's Gumbel noise are hashed in it, the same
+integers as kernels/noise.py. A dense target distribution takes the reference.
 """
 
 from __future__ import annotations
@@ -14,17 +15,35 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.noise import ACCEPT_SALT, BONUS_SALT
 from kernels.triton_common import (INDEX_DTYPES, check_devices, check_dtype, check_shape,
                                    next_pow2, vcumsum, vmax, vmin, vsum)
 
 
 @triton.jit
-def _rejection_walk_kernel(tok_ptr, par_ptr, p_ptr, pid_ptr, qid_ptr, qp_ptr, u_ptr, g_ptr,
+def _mix32(x):
+    """kernels.noise._mix32 on int64 values below 2^32."""
+    x = x & 0xFFFFFFFF
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & 0xFFFFFFFF
+    x = ((x ^ (x >> 15)) * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _uniform(key, ids):
+    """kernels.noise.uniform_noise of ids under a row's key (_mix32(_mix32(seed) ^ pos))."""
+    return ((_mix32(key ^ ids) >> 8).to(tl.float32) + 0.5) / 16777216.0
+
+
+@triton.jit
+def _rejection_walk_kernel(tok_ptr, par_ptr, p_ptr, pid_ptr, qid_ptr, qp_ptr, seed_ptr, pos_ptr,
                            acc_ptr, num_ptr, bonus_ptr, n, w, q,
+                           ACCEPT: tl.constexpr, BONUS: tl.constexpr,
                            MAX_DEPTH: tl.constexpr, SIBLINGS: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                            BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
+    seed = tl.load(seed_ptr + b).to(tl.int64)
     t = n + 1
     i = tl.arange(0, BLOCK_N)
     cw = tl.arange(0, BLOCK_W)
@@ -41,6 +60,7 @@ def _rejection_walk_kernel(tok_ptr, par_ptr, p_ptr, pid_ptr, qid_ptr, qp_ptr, u_
         row = b * t + (cur + 1)                        # [root, nodes] row of the step
         r = tl.load(p_ptr + row * w + cw, mask=live_w, other=0.0).to(tl.float32)
         ids = tl.load(pid_ptr + row * w + cw, mask=live_w, other=-1).to(tl.int64)
+        pos = tl.load(pos_ptr + row).to(tl.int64)
         mass = vsum(r, 0)
         found = cur < -1                               # False
         nxt = cur
@@ -61,7 +81,7 @@ def _rejection_walk_kernel(tok_ptr, par_ptr, p_ptr, pid_ptr, qid_ptr, qp_ptr, u_
                 qp = qp / tl.maximum(vsum(qp, 0), 1e-30)
                 qx = vsum(tl.where(qi == x, qp, 0.0), 0)
                 px = vsum(tl.where(ids == x, r, 0.0), 0) / tl.maximum(mass, 1e-30)
-                uj = tl.load(u_ptr + row * SIBLINGS + j)
+                uj = _uniform(_mix32(_mix32(seed ^ ACCEPT) ^ pos), j)
                 ok = has & (qx > 0) & (uj * qx < px)
                 found = found | ok
                 nxt = tl.where(ok, idx, nxt)
@@ -74,7 +94,7 @@ def _rejection_walk_kernel(tok_ptr, par_ptr, p_ptr, pid_ptr, qid_ptr, qp_ptr, u_
                 rejected = tl.where((cs == j) & off, x, rejected)
             tl.store(acc_ptr + b * MAX_DEPTH + d, tl.where(found, nxt, -1))
         stop = alive & ~found
-        noise = tl.load(g_ptr + row * w + cw, mask=live_w, other=0.0)
+        noise = -tl.log(-tl.log(_uniform(_mix32(_mix32(seed ^ BONUS) ^ pos), ids)))
         left = tl.where(live_w, tl.log(tl.maximum(r, 0.0)) + noise, float("-inf"))
         best = vmax(left, 0)
         first = vmin(tl.where(left == best, cw, BLOCK_W), 0)
@@ -89,14 +109,14 @@ def _rejection_walk_kernel(tok_ptr, par_ptr, p_ptr, pid_ptr, qid_ptr, qp_ptr, u_
 
 def rejection_walk(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
                    p_ids: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
-                   u: torch.Tensor, g: torch.Tensor, max_depth: int
+                   seed: torch.Tensor, position: torch.Tensor, max_depth: int, siblings: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See kernels.reference.rejection_walk; p_ids must be given (a sparse p)."""
     where = "rejection_walk"
     check_devices(_rejection_walk_kernel, where, tokens=tokens, parents=parents, probs=probs,
-                  p_ids=p_ids, q_ids=q_ids, q_probs=q_probs, u=u, g=g)
+                  p_ids=p_ids, q_ids=q_ids, q_probs=q_probs, seed=seed, position=position)
     for name, x in (("tokens", tokens), ("parents", parents), ("p_ids", p_ids),
-                    ("q_ids", q_ids)):
+                    ("q_ids", q_ids), ("seed", seed), ("position", position)):
         check_dtype(where, name, x, INDEX_DTYPES)
     b, n = tokens.shape
     t, w = n + 1, probs.shape[-1]
@@ -105,18 +125,20 @@ def rejection_walk(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Ten
     check_shape(where, "p_ids", p_ids, (b, t, w))
     check_shape(where, "q_ids", q_ids, (b, n, None))
     check_shape(where, "q_probs", q_probs, tuple(q_ids.shape))
-    check_shape(where, "u", u, (b, t, None))
-    check_shape(where, "g", g, (b, t, w))
+    check_shape(where, "seed", seed, (b,))
+    check_shape(where, "position", position, (b, t))
     dev = tokens.device
     accepted = torch.full((b, max_depth), -1, dtype=torch.int32, device=dev)
     num = torch.zeros(b, dtype=torch.int32, device=dev)
     bonus = torch.zeros(b, dtype=torch.int64, device=dev)
     if b == 0 or n == 0:
         return accepted, num, bonus
-    s, qw = u.shape[-1], q_ids.shape[-1]
-    args = [x.contiguous() for x in (tokens, parents, probs, p_ids, q_ids, q_probs, u, g)]
+    qw = q_ids.shape[-1]
+    args = [x.contiguous() for x in (tokens, parents, probs, p_ids, q_ids, q_probs, seed,
+                                     position)]
     _rejection_walk_kernel[(b,)](
-        *args, accepted, num, bonus, n, w, qw, MAX_DEPTH=max_depth, SIBLINGS=s,
-        BLOCK_N=max(16, next_pow2(n)), BLOCK_W=max(16, next_pow2(w)),
-        BLOCK_Q=max(16, next_pow2(qw)), BLOCK_S=max(2, next_pow2(s)), num_warps=2)
+        *args, accepted, num, bonus, n, w, qw, ACCEPT=ACCEPT_SALT, BONUS=BONUS_SALT,
+        MAX_DEPTH=max_depth, SIBLINGS=siblings, BLOCK_N=max(16, next_pow2(n)),
+        BLOCK_W=max(16, next_pow2(w)), BLOCK_Q=max(16, next_pow2(qw)),
+        BLOCK_S=max(2, next_pow2(siblings)), num_warps=2)
     return accepted, num, bonus

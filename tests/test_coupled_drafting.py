@@ -19,7 +19,7 @@ from common.sampling import TOPK_FIRST, draft_scores, draw
 from inproc import services
 from test_dflash import dflash_small  # noqa: F401  (fixture)
 from test_eagle3 import head_dir  # noqa: F401  (fixture)
-from kernels.reference import gumbel_noise
+from kernels.noise import gumbel_noise
 
 PROMPT = [5, 17, 40, 2, 66, 9]
 SEEDS = range(20, 28)

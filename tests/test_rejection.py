@@ -1,4 +1,4 @@
-"""Rejection-sampling acceptance (common/rejection.py) on hand-built trees.
+"""Rejection-sampling acceptance (kernels.reference.rejection_walk) on hand-built trees.
 
 Each batch row is one trial with its own seed: its drafts are drawn from q (siblings
 without replacement) by a generator of the test's, so over many rows the emitted
@@ -13,8 +13,7 @@ import math
 import pytest
 import torch
 
-from common import rejection
-from common.rejection import accept_rejection
+from kernels import reference
 from common.tree import PAD
 
 ROWS = 40_000
@@ -39,7 +38,7 @@ def test_a_fixed_tree_has_the_recursions_probabilities():
     probs = torch.tensor([0.5, 0.3, 0.2]).expand(b, 3, 3)
     q_ids = torch.arange(3).expand(b, 2, 3)
     q_probs = torch.tensor([0.2, 0.8, 0.0]).expand(b, 2, 3)
-    acc, num, bonus = accept_rejection(tokens, parents, probs, q_ids, q_probs,
+    acc, num, bonus = reference.rejection_walk(tokens, parents, probs, None, q_ids, q_probs,
                                        torch.arange(b), torch.full((b, 3), 7), 1, 2)
     first = (acc[:, 0] == 0).double().mean()
     second = (acc[:, 0] == 1).double().mean()
@@ -87,12 +86,12 @@ def _emitted(tokens, acc, num, bonus) -> tuple[torch.Tensor, torch.Tensor, torch
 @pytest.mark.parametrize("control", [False, True])
 def test_emitted_tokens_follow_the_target_and_the_check_matters(control, monkeypatch):
     if control:     # accept whatever has target mass: min(1, p / q) never checked
-        monkeypatch.setattr(rejection, "uniform_noise",
-                            lambda seed, position, ids: torch.zeros(seed.shape[0], len(ids)))
+        monkeypatch.setattr(reference, "accept_uniforms",
+                            lambda seed, position, siblings: torch.zeros(seed.shape[0], siblings))
     P, root, tokens, parents, probs, q_ids, q_probs = _markov_trial()
     b = tokens.shape[0]
     pos = torch.arange(5).expand(b, 5) + 100
-    acc, num, bonus = accept_rejection(tokens, parents, probs, q_ids, q_probs,
+    acc, num, bonus = reference.rejection_walk(tokens, parents, probs, None, q_ids, q_probs,
                                        torch.arange(b) * 7 + 1, pos, 2, 2)
     first, second, deep = _emitted(tokens, acc, num, bonus)
     pvals = [chi_square_p(torch.bincount(first, minlength=P.shape[0]), P[root])]
@@ -115,7 +114,7 @@ def test_a_node_outside_its_q_is_never_accepted_and_padding_is_ignored():
     probs = torch.tensor([0.1, 0.1, 0.8]).expand(b, 4, 3)
     q_ids = torch.tensor([0, 1, 0]).expand(b, 3, 3)            # token 2 has no q mass
     q_probs = torch.tensor([0.5, 0.5, 0.0]).expand(b, 3, 3)
-    acc, num, bonus = accept_rejection(tokens, parents, probs, q_ids, q_probs,
+    acc, num, bonus = reference.rejection_walk(tokens, parents, probs, None, q_ids, q_probs,
                                        torch.arange(b), torch.zeros(b, 4, dtype=torch.long),
                                        2, 1)
     assert num.eq(0).all()

@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
 from common.errors import InvalidRequest
 from common.sampling import (GREEDY, TOPK_FIRST, SamplingParams, checkpoint_defaults, draw,
                              filter_logits, filter_width, resolve)
-from kernels.reference import gumbel_noise
+from kernels.noise import gumbel_noise
 
 
 def test_filtering_equals_transformers_warpers():

@@ -21,7 +21,6 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from common.client import AsyncTreespecClient
-from common import rejection
 from inproc import services
 from kernels import reference
 from test_dflash import dflash_small  # noqa: F401  (fixture)
@@ -161,7 +160,7 @@ def test_the_test_rejects_rejection_sampling_without_the_check(target_dir, draft
                                                                monkeypatch):
     """Every acceptance uniform 0: a drafted token with any target mass is accepted,
     min(1, p / q) unchecked."""
-    monkeypatch.setattr(rejection, "uniform_noise",
-                        lambda seed, position, ids: torch.zeros(seed.shape[0], len(ids)))
+    monkeypatch.setattr(reference, "accept_uniforms",
+                        lambda seed, position, siblings: torch.zeros(seed.shape[0], siblings))
     assert bh_rejects(pvalues(target_dir, draft_dir, "model", "rejection", "tree-small",
                               SETTINGS[:1])) > 0

@@ -11,7 +11,6 @@ import torch
 from triton_interpret import DEV, HAVE_TRITON, load as _load, needs_triton
 from test_triton_kernels import random_tree
 
-from common.rejection import accept_rejection
 from kernels import reference as ref
 
 
@@ -42,10 +41,10 @@ def test_sparse_and_dense_p_give_the_same_walk():
     tokens, parents, probs, p_ids, q_ids, q_probs, dense, seed, pos = sparse_case(
         300, 9, 40, 12, 6, 0)
     for depth, siblings in ((1, 1), (3, 2), (9, 3)):
-        got = accept_rejection(tokens, parents, probs, q_ids, q_probs, seed, pos, depth,
-                               siblings, p_ids=p_ids)
-        want = accept_rejection(tokens, parents, dense, q_ids, q_probs, seed, pos, depth,
-                                siblings)
+        got = ref.rejection_walk(tokens, parents, probs, p_ids, q_ids, q_probs, seed, pos,
+                                 depth, siblings)
+        want = ref.rejection_walk(tokens, parents, dense, None, q_ids, q_probs, seed, pos,
+                                  depth, siblings)
         for x, y in zip(got, want):
             assert torch.equal(x, y), (depth, siblings)
         assert got[1].gt(0).any() and got[1].lt(1).any()
@@ -60,8 +59,8 @@ def test_kernel_vs_reference(b, n, w, q, depth, siblings):
         b, n, w + 4, w, q, n)
     args = [x.to(DEV) for x in (tokens, parents, probs, p_ids, q_ids, q_probs, seed, pos)]
     tk, pa, pr, pi, qi, qp, sd, ps = args
-    got = accept_rejection(tk, pa, pr, qi, qp, sd, ps, depth, siblings, p_ids=pi, ops=tr)
-    want = accept_rejection(tk, pa, pr, qi, qp, sd, ps, depth, siblings, p_ids=pi, ops=ref)
+    got = tr.rejection_walk(tk, pa, pr, pi, qi, qp, sd, ps, depth, siblings)
+    want = ref.rejection_walk(tk, pa, pr, pi, qi, qp, sd, ps, depth, siblings)
     for x, y in zip(got, want):
         assert x.dtype == y.dtype and torch.equal(x, y)
     assert got[1].gt(0).any()

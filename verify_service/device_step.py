@@ -4,7 +4,7 @@
 page tables; it derives depths, positions, slots and the chunk layout from
 ``parents`` on the device, runs the target over [root, nodes], picks the target's
 tokens (its argmax, or a sampling row's seeded draw), walks the trees (a row with q
-by rejection sampling, common/rejection.py) and compacts every accepted path's KV.
+by rejection sampling, kernels.reference.rejection_walk) and compacts every accepted path's KV.
 Nothing in
 it syncs with the host, and every shape depends only on (B, N, P), so one graph
 per (batch bucket, page bucket) replays it. Rows of padding sequences point at a
@@ -21,7 +21,6 @@ from common.accept import commit_kv
 from common.forward_batch import device_forward_batch
 from common.kv_cache import PagedKVCache
 from common.qwen3 import Qwen3Model
-from common.rejection import accept_rejection
 from common.sampling import draw_filtered, filter_sparse
 from common.tree import verify_chunk_layout
 
@@ -68,9 +67,9 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
         p_ids = ids.view(b, t, -1) if ids.shape[-1] < logits.shape[-1] else None
         if p_ids is None:        # the whole vocabulary sorted: p dense, in token order
             vals = torch.full_like(vals, float("-inf")).scatter(-1, ids, vals)
-        walked = accept_rejection(tokens, parents, vals.softmax(-1).view(b, t, -1), q_ids,
-                                  q_probs, sampling[4], (fb.positions + 1).view(b, t), depth,
-                                  siblings, p_ids=p_ids, ops=ops)
+        walked = ops.rejection_walk(tokens, parents, vals.softmax(-1).view(b, t, -1), p_ids,
+                                    q_ids, q_probs, sampling[4], (fb.positions + 1).view(b, t),
+                                    depth, siblings)
         use = (sampling[0] > 0) & (q_probs.flatten(1) > 0).any(1)
         accepted, num, bonus = (torch.where(use.view(-1, *[1] * (x.dim() - 1)), w, x)
                                 for w, x in zip(walked, (accepted, num, bonus)))
