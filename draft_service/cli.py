@@ -15,7 +15,7 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--method", required=True, choices=list(PROPOSERS))
     d.add_argument("--model", help="draft checkpoint dir or shipped name (model, eagle3, "
                    "dflash)")
-    d.add_argument("--target-embeddings", metavar="PATH",
+    d.add_argument("--target-embeddings", metavar="PATH", type=lambda t: t or None,
                    help="eagle3 head without embed_tokens: the target's checkpoint dir or a "
                    "safetensors file holding model.embed_tokens.weight; dflash: the "
                    "target's checkpoint dir (its embedding and LM head)")

@@ -18,6 +18,7 @@ import yaml
 
 import services
 from common.launch import cli_command, child_env
+from common.model_paths import resolve_model
 from otlp_receiver import OtlpReceiver
 from parallel_services import free_port, running
 from prom import scrape, value, wait_connected
@@ -93,6 +94,10 @@ def test_compose_shape():
     for name in ("draft", "verify"):
         assert "treespec-run:/run/treespec" in s[name]["volumes"]
     assert "treespec-run" in spec["volumes"]
+    # EAGLE-3's and DFlash's hidden states in the draft's /dev/shm, mapped by the verify
+    assert s["draft"]["ipc"] == "shareable" and s["verify"]["ipc"] == "service:draft"
+    assert "--target-embeddings=" in s["draft"]["command"]
+    assert "./models/target:/models/target:ro" in s["draft"]["volumes"]
     moved = load({"DRAFT_GPU": "2", "VERIFY_GPU": "5", "TREESPEC_ENVELOPE": "tree-wide",
                   "TREESPEC_PROPOSER": "ngram"})["services"]
     assert moved["verify"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] \
@@ -121,7 +126,9 @@ def test_docker_compose_config_agrees(overrides):
             assert theirs[name]["command"] == ours[name]["command"]
             assert theirs[name]["healthcheck"]["test"] == ours[name]["healthcheck"]["test"]
             assert theirs[name]["environment"] == ours[name]["environment"]
-            models, certs, run = theirs[name]["volumes"]
+            models, certs, run, *target = theirs[name]["volumes"]
+            assert [t["target"] for t in target] == (["/models/target"] if name == "draft"
+                                                     else [])
             assert (certs["target"], certs["read_only"]) == ("/certs", True)
             src, dst, _ = ours[name]["volumes"][0].split(":")
             assert (models["target"], models["read_only"]) == (dst, True)
@@ -138,7 +145,13 @@ def _local(value: str, volumes: dict[str, str], hosts: dict[str, str]) -> str:
                   lambda m: hosts.get(m.group(0), f"127.0.0.1:{m.group(2)}"), value)
 
 
-def test_compose_commands_serve_locally(overrides, tmp_path):
+@pytest.mark.parametrize("proposer", ["model", "eagle3"])
+def test_compose_commands_serve_locally(overrides, proposer, tmp_path):
+    if proposer == "eagle3":     # the shipped pair; the head reads the target's embeddings
+        overrides = {**overrides, "TREESPEC_PROPOSER": "eagle3",
+                     "TARGET_MODEL_DIR": str(resolve_model("tiny-code")),
+                     "DRAFT_MODEL_DIR": str(resolve_model("tiny-code-eagle3")),
+                     "DRAFT_TARGET_EMBEDDINGS": "/models/target"}
     spec = load(overrides)["services"]
     with OtlpReceiver() as otlp:
         hosts = {"collector:4317": f"127.0.0.1:{otlp.port}"}
@@ -174,6 +187,7 @@ def test_compose_commands_serve_locally(overrides, tmp_path):
             log = verify.output()
         # the draft's socket on the shared volume carried the steps
         assert "steps by unix socket" in log, log
+        assert ("hidden states through shared memory" in log) == (proposer == "eagle3"), log
         # services stopped: their last spans were flushed at exit
     assert spec_out["token_ids"] == plain["token_ids"]
     assert spec_out["stats"]["draft_tokens"] > 0, (spec_out, log)
