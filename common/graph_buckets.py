@@ -6,9 +6,10 @@ page tables to the next power-of-two width. ``BucketedGraphs`` owns the scratch
 page, the shared CUDA graph memory pool and one ``common.cuda_graph.StaticGraph``
 per (family, batch bucket, page bucket); a family names one function and its
 other static shapes. The first capture at a (family, page bucket) also captures
-every smaller batch bucket: the sequences of one batch finish at different steps,
-and a shrinking batch must not stall on a capture (seconds for a large model)
-in the middle of serving.
+every other batch bucket up to ``max_batch``'s: a batch grows and shrinks as
+requests come and go, and no step of it may stall on a capture (seconds for a large
+model) in the middle of serving. Captured page buckets start at ``min_pages``
+(MIN_PAGES on a GPU), so a sequence up to that many pages never meets a new one.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from common.forward_batch import page_table
 from common.kv_cache import PagedKVCache, SeqPages
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# the smallest captured page bucket (4096 tokens of 16): a wider table than the context
+# costs only attention splits that find nothing to read
+MIN_PAGES = 256
 
 log = logging.getLogger("treespec.graphs")
 
@@ -41,18 +45,21 @@ def _page_bucket(width: int) -> int:
 
 
 class BucketedGraphs:
-    def __init__(self, cache: PagedKVCache, capture: bool = True, min_pages: int = 1) -> None:
+    def __init__(self, cache: PagedKVCache, capture: bool = True, min_pages: int = 1,
+                 max_batch: int = 1) -> None:
         self.cache, self.capture = cache, capture
         self.min_pages = min_pages       # the smallest page bucket
+        self.max_batch = max_batch       # a first capture covers the buckets up to this one's
         self.scratch = cache.blocks.allocate(1)[0]        # padding rows write here
         self.graphs: dict[tuple, StaticGraph] = {}
         self.captures = 0                # graphs made so far (a step that made one is slow)
         self._pool: object | None = None
 
     def get(self, family: Hashable, b: int, p: int, example: Example, fn: Fn) -> StaticGraph:
-        """The graph of fn at (family, b, p), captured (with the smaller batch
-        buckets) on first use; example(bb) gives inputs of batch bb to capture on."""
-        new = [x for x in BATCH_BUCKETS if x < b] + [b]
+        """The graph of fn at (family, b, p), captured (with every batch bucket up to
+        max_batch's) on first use; example(bb) gives inputs of batch bb to capture on."""
+        top = max(b, bucket(self.max_batch))
+        new = sorted({x for x in BATCH_BUCKETS if x <= top} | {b})
         new = [bb for bb in new if (family, bb, p) not in self.graphs]
         t0 = time.perf_counter()
         for bb in new:
@@ -66,17 +73,18 @@ class BucketedGraphs:
                      time.perf_counter() - t0)
         return self.graphs[(family, b, p)]
 
-    @staticmethod
-    def buckets(pages: list[SeqPages]) -> tuple[int, int]:
-        """(batch bucket, page bucket: the next power of two of the widest table)."""
-        return bucket(len(pages)), _page_bucket(max(len(sp.pages) for sp in pages))
+    def buckets(self, pages: list[SeqPages]) -> tuple[int, int]:
+        """(batch bucket, page bucket: the next power of two of the widest table, at
+        least min_pages)."""
+        return bucket(len(pages)), max(self.min_pages,
+                                       _page_bucket(max(len(sp.pages) for sp in pages)))
 
     def shape(self, pages: list[SeqPages]) -> tuple[int, int, torch.Tensor]:
         """(batch bucket, page bucket, [b, p] int32 page table on the host, padded
         with the scratch page)."""
         real = len(pages)
         width = max(len(sp.pages) for sp in pages)
-        b, p = bucket(real), max(self.min_pages, _page_bucket(width))
+        b, p = self.buckets(pages)
         table = torch.full((b, p), self.scratch, dtype=torch.int32)
         table[:real, :width] = page_table(pages, torch.device("cpu"), fill=self.scratch)
         return b, p, table

@@ -35,7 +35,7 @@ import torch
 
 from common.block_manager import OutOfPages
 from common.devices import bind_device, pick_device, pick_dtype
-from common.graph_buckets import BATCH_BUCKETS, BucketedGraphs, bucket
+from common.graph_buckets import BATCH_BUCKETS, MIN_PAGES, BucketedGraphs, bucket
 from common.kv_cache import PagedKVCache, SeqPages
 from common.sampling import GREEDY, TOPK_FIRST, SamplingParams, as_tensors, filter_width
 from common.tree import TreeBatch, TreeEnvelope
@@ -46,11 +46,6 @@ log = logging.getLogger("treespec.draft")
 # an extra per-unit input of a step: (shape of one unit's row, dtype)
 Extra = tuple[tuple[int, ...], torch.dtype]
 
-# the smallest page bucket of a captured step (4096 tokens of 16): sequences up to that
-# length replay the same graphs, so a decoding batch never meets a new bucket (seconds
-# of compiles and captures, far past a verify's deadline); a wider table than the
-# context costs only attention splits that find nothing to read.
-MIN_PAGES = 256
 # warm-up captures every batch bucket up to this one
 WARM_BATCH = 64
 # units one eager catch-up forward takes at most: a long prompt's memory stays bounded

@@ -77,3 +77,23 @@ def test_batched_fixed_step_equals_each_sequence_alone(target_dir):
     alone = [run([r])[1] for r in range(3)]
     assert together == tuple([x for a in alone for x in a[i]] for i in range(4))
     assert any(together[0])
+
+
+def test_warm_up_and_first_captures_cover_every_batch_bucket_to_max_batch(target_dir):
+    """No step of a growing batch stalls on a capture: the warm-up makes plain decode's
+    graphs (greedy, top-k first, whole vocabulary) at every bucket up to max_batch's,
+    and a tree's first step makes its family at all of them too."""
+    from common.sampling import TOPK_FIRST
+    model = Qwen3Model.from_pretrained(target_dir)
+    v = Verifier(model, model.new_cache(64, 4), ops, max_batch=20)
+    v.warm_up()
+    want = [1, 2, 4, 8, 16, 32]
+    for width in (0, TOPK_FIRST, -1):
+        assert v.buckets.batches((0, (), width, 0, 0)) == want
+    pages = [SeqPages()]
+    first, _ = v.prefill(pages, [[1, 5, 9]])
+    tree = TreeBatch(torch.tensor([[first[0], 3]], dtype=torch.int32),
+                     torch.tensor([[-1, 0]], dtype=torch.int32))
+    v.step(pages, first, tree, depth=2)
+    assert v.buckets.batches((2, (), 0, 0, 0)) == want
+    assert len(v.buckets.graphs) == 4 * len(want)

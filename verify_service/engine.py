@@ -51,7 +51,7 @@ class VerifyEngine:
         self.model = model
         self.spec = model.spec
         self.cache = model.new_cache(num_blocks, block_size)
-        self.verifier = Verifier(model, self.cache, select(model.device, kernels))
+        self.verifier = Verifier(model, self.cache, select(model.device, kernels), True, max_batch)
         self.runner = StepRunner(self.verifier, busy_poll)
         self.max_batch = max_batch
         self.max_waiting = max_waiting

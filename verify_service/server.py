@@ -26,6 +26,7 @@ SERVICE = "treespec.v1.Generation"
 # a Generate request's bytes beside its text prompt (prompt ids up to a long context,
 # stop ids, ids): with --max-prompt-bytes, the largest request read at all
 REQUEST_ROOM = 4 << 20
+log = logging.getLogger("treespec.verify")
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -68,6 +69,9 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
                           cfg.max_model_len, cfg.prefill_tokens, link=link, kernels=cfg.kernels,
                           busy_poll=busy, observer=observer, sampling_defaults=defaults,
                           max_waiting=cfg.max_waiting, speculation=cfg.speculation)
+    if device.type == "cuda":
+        log.info("verify warm-up (plain decode's graphs, batch buckets to %d) took %.1f s",
+                 cfg.max_batch, engine.verifier.warm_up())
     if metrics is not None:
         metrics.watch(engine)
         metrics.serve(cfg.host, cfg.metrics_port)

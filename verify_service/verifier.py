@@ -18,16 +18,18 @@ what was accepted; the engine owns the bookkeeping (terms: common/accept.py).
 from __future__ import annotations
 
 import struct
+import time
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from common.forward_batch import build_forward_batch, chain_chunk
-from common.graph_buckets import BucketedGraphs
+from common.graph_buckets import MIN_PAGES, BucketedGraphs, bucket
 from common.kv_cache import PagedKVCache, SeqPages
 from common.qwen3 import Qwen3Model
-from common.sampling import GREEDY, SamplingParams, as_tensors, draw, filter_width
+from common.sampling import (GREEDY, TOPK_FIRST, SamplingParams, as_tensors, draw,
+                             filter_width)
 from common.tree import PAD, TreeBatch
 from verify_service.device_step import fixed_step
 
@@ -58,14 +60,26 @@ class Verifier:
     reserved_pages = 1          # the scratch page padding rows write to
 
     def __init__(self, model: Qwen3Model, cache: PagedKVCache, ops: ModuleType,
-                 capture: bool = True) -> None:
+                 capture: bool = True, max_batch: int = 1) -> None:
         self.model, self.cache, self.ops = model, cache, ops
         self.capture_layers: tuple[int, ...] = ()   # target layers a drafter reads
         self.siblings = 1           # children per node rejection sampling tries (topk)
         self.budgets: list[tuple[int, int]] = []   # (tree width, depth) the controller uses
-        self.buckets = BucketedGraphs(cache, capture)
+        on_gpu = capture and cache.device.type == "cuda"
+        self.buckets = BucketedGraphs(cache, capture, MIN_PAGES if on_gpu else 1, max_batch)
         self._host: dict[torch.Size, torch.Tensor] = {}     # pinned readback buffers
         self._done: torch.cuda.Event | None = None          # readback finished
+
+    def warm_up(self) -> float:
+        """Capture plain decode's graphs (greedy, and drawing from the top-k first or
+        from the whole vocabulary) at every batch bucket up to max_batch's, first page
+        bucket, so that no early request stalls on one; the seconds taken."""
+        t0 = time.perf_counter()
+        gb = self.buckets
+        for width in (0, TOPK_FIRST, -1):
+            self._graph((0, self.capture_layers, width, 0, 0), 0, bucket(gb.max_batch),
+                        gb.min_pages)
+        return time.perf_counter() - t0
 
     @torch.inference_mode()
     def prefill(self, pages: list[SeqPages], prompts: list[list[int]],
