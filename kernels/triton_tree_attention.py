@@ -234,7 +234,7 @@ def _num_sms(device: torch.device) -> int:
 
 def _plan(total_q: int, num_seqs: int, group: int, kv_heads: int, max_ctx: int,
           device: torch.device, num_splits: int | None, block_m: int | None,
-          block_n: int | None) -> tuple[int, int, int, int]:
+          block_n: int | None, tree: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_splits, num_warps) from host-known sizes only."""
     rows_per_chunk = total_q * group / max(1, num_seqs)
     if block_m is None:
@@ -248,13 +248,13 @@ def _plan(total_q: int, num_seqs: int, group: int, kv_heads: int, max_ctx: int,
         # Measured on an H200 under CUDA graphs (Qwen3-8B heads, ctx 1024): decode wants
         # ~2 programs per SM, tree chunks ~1 (their last split also carries the chunk
         # keys, and partials cost traffic); splits shorter than 128 keys never paid.
-        # max_ctx is the page table's width: in a captured step, the page bucket, up to
-        # twice the live context, so plan for half of it (the spans are cut on the
-        # device from the live length; attention_probe: 9 splits beat 17 by 1-2 µs a
-        # layer for decode and 4-node trees at ctx 1024 in a 2048-slot bucket).
-        # A compile-time constant, so only 1, 2, 3, 5, 9, 17 (rounded down): shapes met
-        # while serving find a kernel the warm-up compiled, not a 1-2 s compile.
-        per_sm = 2 if rows_per_chunk <= 16 else 1
+        # max_ctx is the table's width (a captured step's page bucket): plan for half of
+        # it, the spans being cut on the device from the live length (attention_probe:
+        # 9 splits beat 17 by 1-2 µs a layer at ctx 1024 in a 2048-slot bucket).
+        # A compile-time constant, so only 1, 2, 3, 5, 9, 17 (rounded down), and 1 for
+        # long chains (BLOCK_M 128, not a tree: prefills and catch-ups, run eagerly at
+        # lengths no warm-up enumerates): shapes met while serving find a compiled kernel.
+        per_sm = 2 if rows_per_chunk <= 16 else 0 if block_m >= 128 and not tree else 1
         want = (per_sm * _num_sms(device)) // max(1, tiles * kv_heads)
         n = max(1, min(want, triton.cdiv(max_ctx, 2 * MIN_SPLIT_KEYS) + 1, 17))
         num_splits = n if n <= 2 else (1 << (n - 1).bit_length() - 1) + 1
@@ -317,7 +317,7 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     context_lens, cu_q, chunk_parents = (t.contiguous() for t in (context_lens, cu_q, chunk_parents))
     group = hq // hkv
     block_m, block_n, splits, warps = _plan(total_q, nseq, group, hkv, block_tables.shape[1] * bs,
-                                            q.device, num_splits, block_m, block_n)
+                                            q.device, num_splits, block_m, block_n, ancestors is not None)
     bt = block_m // group
     grid = (min(total_q, triton.cdiv(total_q, bt) + nseq - 1), hkv, splits)
     if splits > 1:

@@ -40,3 +40,18 @@ def test_attention_split_counts_take_six_values():
             for q in (1, 4, 16, 64, 320, 4096) for s in (1, 2, 8, 32, 64)
             for ctx in (16, 300, 1100, 2100, 4096, 40000) if q >= s}
     assert seen <= {1, 2, 3, 5, 9, 17}
+
+
+def test_long_chunks_plan_one_split(monkeypatch):
+    """A catch-up of a resting sequence runs eagerly at any length (the H200's EAGLE-3
+    draft compiled a kernel for a 129-unit catch-up while serving): long chunks always
+    take one split, so their compile-time constants do not follow the length."""
+    import torch
+    from kernels import triton_tree_attention
+    monkeypatch.setattr(triton_tree_attention, "_num_sms", lambda device: 132)   # an H200
+    for q in (100, 129, 300, 1024, 5000):
+        for ctx in (200, 1100, 4096):
+            plan = _plan(q, 1, 4, 8, ctx, torch.device("cpu"), None, None, None)
+            assert plan[0] == 128 and plan[2] == 1, (q, ctx, plan)
+    # a captured tree step (its ancestors given) keeps its splits: 65 nodes at batch 1
+    assert _plan(65, 1, 4, 8, 1100, torch.device("cpu"), None, None, None, tree=True)[2] > 1
