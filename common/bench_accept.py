@@ -24,10 +24,11 @@ import argparse
 import json
 import re
 import sysconfig
+import time
 import urllib.request
 from pathlib import Path
 
-from common.cli import positive_int
+from common.cli import ConfigError, positive_int
 from common.client import TreespecClient
 from common.launch import start_service
 from common.model_paths import SHIPPED_DRAFTS, resolve_model
@@ -67,23 +68,27 @@ def accepted_by_position(url: str) -> tuple[float, dict[int, float]]:
 
 def measure(target: str, method: str, envelope: str, prompts: list[list[int]], max_tokens: int,
             device: str, sampling: dict, draft_sampling: str, acceptance: str,
-            timeout: float = 180.0) -> dict:
-    """One row: both services for this configuration, plain then speculative decode."""
+            draft: str | None = None, timeout: float = 180.0) -> dict:
+    """One row: both services for this configuration, plain then speculative decode
+    (draft: the method's checkpoint, by default the shipped one)."""
     draft_args = ["draft", "--method", method, "--envelope", envelope, "--port", "0",
                   "--device", device, "--draft-sampling", draft_sampling]
-    if SHIPPED_DRAFTS.get(method):
-        draft_args += ["--model", SHIPPED_DRAFTS[method]]
+    if method != "ngram" and (draft or SHIPPED_DRAFTS.get(method)):
+        draft_args += ["--model", draft or SHIPPED_DRAFTS[method]]
     if method in ("eagle3", "dflash"):
         draft_args += ["--target-embeddings", target]
-    with start_service("draft", draft_args, timeout) as draft, start_service("verify", [
-            "verify", "--model", target, "--draft", draft.addr, "--port", "0", "--device",
+    with start_service("draft", draft_args, timeout) as dsvc, start_service("verify", [
+            "verify", "--model", target, "--draft", dsvc.addr, "--port", "0", "--device",
             device, "--speculation", "always", "--acceptance", acceptance,
             "--metrics-port", "0", "--step-deadline-ms", "10000"], timeout) as verify:
         url = re.search(r"metrics on (http://\S+/metrics)", verify.output()).group(1)
         with TreespecClient(verify.addr, timeout=600) as c:
             c.wait_ready(timeout)
+            end = time.monotonic() + timeout
             while not c.info().draft_connected:
-                c.wait_ready(timeout)
+                if time.monotonic() > end:
+                    raise TimeoutError(f"the verify never connected to draft {dsvc.addr}")
+                time.sleep(0.1)
             outs = {}
             for plain in (True, False):
                 outs[plain] = [c.generate(prompt_ids=p, max_tokens=max_tokens, ignore_eos=True,
@@ -112,6 +117,8 @@ def add_arguments(a: argparse.ArgumentParser) -> None:
     a.add_argument("--model", default="tiny-code", help="target (its TRAINING.json names the "
                    "held-out files)")
     a.add_argument("--methods", default="ngram,model,eagle3")
+    a.add_argument("--draft", help="the draft checkpoint of a single method (default: the "
+                   "shipped one of each method, drafts for tiny-code)")
     a.add_argument("--envelopes", default="chain4,tree-small")
     a.add_argument("--files", type=positive_int, default=8, help="held-out files used")
     a.add_argument("--prompt-tokens", type=positive_int, default=128)
@@ -128,6 +135,8 @@ def add_arguments(a: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Prints a Markdown table; exit 1 when a row that must be identical is not."""
+    if args.draft and "," in args.methods:
+        raise ConfigError("--draft names one method's checkpoint: give one --methods")
     target = resolve_model(args.model)
     prompts = held_out_prompts(target, args.files, args.prompt_tokens)
     sampling = {k: v for k in ("temperature", "top_k", "top_p", "min_p")
@@ -137,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     for method in args.methods.split(","):
         for env in args.envelopes.split(","):
             r = measure(str(target), method, env, prompts, args.max_tokens, args.device,
-                        sampling, args.draft_sampling, args.acceptance)
+                        sampling, args.draft_sampling, args.acceptance, args.draft)
             rows.append(dict(proposer=method, envelope=env, temperature=args.temperature,
                              draft_sampling=args.draft_sampling, acceptance=args.acceptance,
                              **r))

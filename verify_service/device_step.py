@@ -4,9 +4,8 @@
 page tables; it derives depths, positions, slots and the chunk layout from
 ``parents`` on the device, runs the target over [root, nodes], picks the target's
 tokens (its argmax, or a sampling row's seeded draw), walks the trees (a row with q
-by rejection sampling, kernels.reference.rejection_walk) and compacts every accepted path's KV.
-Nothing in
-it syncs with the host, and every shape depends only on (B, N, P), so one graph
+by rejection sampling: ``rejection_walk``) and compacts every accepted path's KV.
+Nothing in it syncs with the host, and every shape depends only on (B, N, P), so one graph
 per (batch bucket, page bucket) replays it. Rows of padding sequences point at a
 scratch page and have all-padding trees; their results are ignored.
 """
