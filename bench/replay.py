@@ -102,6 +102,7 @@ class ShadowReplay:
         self.inner, self.replay, self.num_nodes = inner, replay, num_nodes
         self.name = f"shadow-replay-instrument:{inner.name}"
         self.model, self.light = inner.model, inner.light
+        self.levels = getattr(inner, "levels", False)
         self.vocab_size = inner.vocab_size
         self.target_hidden_layers = inner.target_hidden_layers
 
@@ -109,8 +110,9 @@ class ShadowReplay:
         self.inner.update(seq_id, tokens, new_count, accepted_nodes, hidden)
         self.replay.update(seq_id, tokens, new_count, accepted_nodes, hidden)
 
-    def propose(self, seq_ids: list[int], sampling=None) -> TreeBatch:
-        real = self.inner.propose(seq_ids, sampling)  # its whole cost; its tree is not used
+    def propose(self, seq_ids: list[int], sampling=None, depth: int = 0) -> TreeBatch:
+        # its whole cost (to depth, as it would draft); its tree is not used
+        real = self.inner.propose(seq_ids, sampling, **({"depth": depth} if depth else {}))
         chain = self.replay.propose(seq_ids)
         b, d = chain.tokens.shape
         out = TreeBatch.padding(b, self.num_nodes)

@@ -121,9 +121,26 @@ class TreeBatch:
         return (self.parents != PAD).sum(1).tolist()
 
 
+def budget_depths(env: TreeEnvelope) -> tuple[int, ...]:
+    """The budgets' depths, deepest first: the envelope's and its halvings (at most 4)."""
+    out: list[int] = []
+    d = env.depth
+    while d >= 1 and len(out) < 4:
+        out.append(d)
+        d //= 2
+    return tuple(out)
+
+
 def budget_nodes(env: TreeEnvelope, depth: int) -> int:
     """The most nodes a tree of env has at depths <= depth (num_nodes at its own)."""
     return min(env.num_nodes, env.topk + (depth - 1) * env.topk * env.topk)
+
+
+def shallower(env: TreeEnvelope, depth: int) -> TreeEnvelope:
+    """env cut to depth: its trees' nodes at depths <= depth (env itself at its own)."""
+    if depth >= env.depth:
+        return env
+    return TreeEnvelope(depth, env.topk, budget_nodes(env, depth), f"{env.name}@{depth}")
 
 
 def cut_depth(trees: TreeBatch, depth: int, width: int) -> tuple[TreeBatch, np.ndarray | None]:

@@ -81,7 +81,9 @@ class DFlashProposer(FeatureDrafter):
 
     def _step_fn(self, tokens: torch.Tensor, count: torch.Tensor, ctx0: torch.Tensor,
                  table: torch.Tensor, feats: torch.Tensor,
-                 sampling: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+                 sampling: list[torch.Tensor] | None = None, depth: int = 0
+                 ) -> tuple[torch.Tensor, ...]:
+        """depth: unused (one forward drafts the whole block)."""
         return dflash_step(self.head, self.cache, self.ops, self.env, self._parents,
                            self._depths, tokens, count, ctx0, table, feats, sampling)
 

@@ -31,7 +31,7 @@ import torch
 
 from common.forward_batch import build_forward_batch, chain_chunk
 from common.model_paths import resolve_model
-from common.tree import TreeEnvelope
+from common.tree import TreeEnvelope, shallower
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.eagle3_step import eagle3_step
 from draft_service.feature_drafter import FeatureDrafter, FeatureSeq
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 class Eagle3Proposer(FeatureDrafter):
     name = "eagle3"
+    levels = True
 
     def __init__(self, head: Eagle3Head, env: TreeEnvelope, ops: ModuleType,
                  num_blocks: int, block_size: int, model_name: str = "") -> None:
@@ -74,6 +75,8 @@ class Eagle3Proposer(FeatureDrafter):
 
     def _step_fn(self, tokens: torch.Tensor, count: torch.Tensor, ctx0: torch.Tensor,
                  table: torch.Tensor, feats: torch.Tensor,
-                 sampling: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
-        return eagle3_step(self.head, self.cache, self.ops, self.env, self._depths, tokens,
+                 sampling: list[torch.Tensor] | None = None, depth: int = 0
+                 ) -> tuple[torch.Tensor, ...]:
+        return eagle3_step(self.head, self.cache, self.ops,
+                           shallower(self.env, depth or self.env.depth), self._depths, tokens,
                            count, ctx0, table, feats, sampling)

@@ -1,5 +1,5 @@
 """The EAGLE-3 head's draft step at a fixed shape, entirely on the device (what its
-CUDA graph holds: draft_service.kv_drafter.DraftGraphs).
+CUDA graph holds: draft_service.draft_graphs.DraftGraphs).
 
 ``eagle3_step``: a [B, depth + 1] catch-up chain of committed pairs whose unused
 tail is padding, then ``expand_eagle3``: depth - 1 tree chunks whose hidden inputs

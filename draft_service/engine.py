@@ -139,8 +139,10 @@ class DraftEngine:
             trees = TreeBatch.padding(len(ids), self.env.num_nodes)
             if live:
                 tp0 = time.time_ns()
+                shallow = {"depth": req.max_depth} if getattr(self.proposer, "levels", False) \
+                    and 0 < req.max_depth < self.env.depth else {}
                 trees = self.proposer.propose(
-                    [ids[r] for r in live], self._sampling([ids[r] for r in live]))
+                    [ids[r] for r in live], self._sampling([ids[r] for r in live]), **shallow)
                 trees = trees.scatter(live, len(ids))
                 if 0 < req.max_depth < self.env.depth:      # the rest will not be verified
                     trees = trees.pruned(req.max_depth)

@@ -29,22 +29,19 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Callable
 
 import torch
 
 from common.block_manager import OutOfPages
 from common.devices import bind_device, pick_device, pick_dtype
-from common.graph_buckets import BATCH_BUCKETS, MIN_PAGES, BucketedGraphs, bucket
+from common.graph_buckets import BATCH_BUCKETS
 from common.kv_cache import PagedKVCache, SeqPages
-from common.sampling import GREEDY, TOPK_FIRST, SamplingParams, as_tensors, filter_width
-from common.tree import TreeBatch, TreeEnvelope
+from common.sampling import SamplingParams
+from common.tree import PAD, TreeBatch, TreeEnvelope, budget_depths
+from draft_service.draft_graphs import DraftGraphs, Extra
 from draft_service.proposer import RowSampling
 
 log = logging.getLogger("treespec.draft")
-
-# an extra per-unit input of a step: (shape of one unit's row, dtype)
-Extra = tuple[tuple[int, ...], torch.dtype]
 
 # warm-up captures every batch bucket up to this one
 WARM_BATCH = 64
@@ -56,82 +53,6 @@ PREFILL_UNITS = 4096
 class DraftSeq:
     pages: SeqPages = field(default_factory=SeqPages)
     tokens: list[int] = field(default_factory=list)     # the engine's committed list
-
-
-class DraftGraphs:
-    """A drafter's step ``fn(tokens [B, C] int64, count [B] int32, ctx0 [B] int32,
-    table [B, P] int32, *extras [B, C, ...], sampling=None)`` captured per (batch
-    bucket, page bucket), and again with sampling (each row's [temperature, top_k,
-    top_p, min_p, seed] and rejection flag [B], padding rows greedy, then the batch's
-    filter width, a constant of the graph) for batches where a row samples: row b's
-    first count[b] units are written from ctx0[b] on, the rest is padding. A sampled
-    step's last two outputs are the trees' q_ids and q_probs."""
-
-    def __init__(self, cache: PagedKVCache, catch_up_len: int,
-                 fn: Callable[..., tuple[torch.Tensor, ...]], extras: list[Extra],
-                 capture: bool = True) -> None:
-        self.cache, self.fn, self.extras = cache, fn, extras
-        self.catch_up_len = catch_up_len
-        # captured graphs start at MIN_PAGES pages (on the CPU nothing is captured)
-        on_gpu = capture and cache.device.type == "cuda"
-        self.buckets = BucketedGraphs(cache, capture, MIN_PAGES if on_gpu else 1)
-
-    @torch.inference_mode()
-    def __call__(self, new_tokens: list[list[int]], new_extras: list[list[torch.Tensor]],
-                 pages: list[SeqPages], sampling: list[RowSampling | None] | None = None
-                 ) -> tuple[torch.Tensor, ...]:
-        """Row r's units: new_tokens[r] (1 .. catch_up_len) with new_extras[r][k]
-        [same, *shape of extra k] on the device, written from pages[r].kv_len on;
-        sampling[r] row r's (None: greedy). Returns fn's outputs for the real rows
-        (advancing kv_len is the caller's)."""
-        gb, dev, c = self.buckets, self.cache.device, self.catch_up_len
-        real = len(pages)
-        b, p, table = gb.shape(pages)
-        tokens, count, ctx0 = gb.chain_inputs(new_tokens, pages, b, c)
-        extras = []
-        if self.extras:          # each row's units at [r, :n] of [b, c], in one copy
-            at = torch.cat([torch.arange(len(t)) + r * c for r, t in enumerate(new_tokens)])
-            at = at.to(dev, non_blocking=True)
-        for k, (shape, dtype) in enumerate(self.extras):
-            x = torch.zeros((b, c, *shape), dtype=dtype, device=dev)
-            x.view(b * c, *shape)[at] = torch.cat([rows[k] for rows in new_extras])
-            extras.append(x)
-
-        per_row, width = [], 0
-        if sampling is not None:
-            params = [r.params if r else GREEDY for r in sampling] + [GREEDY] * (b - real)
-            per_row = _per_row(params, [bool(r and r.rejection) for r in sampling]
-                               + [False] * (b - real), dev)
-            width = filter_width(params)
-        out = self._graph(b, p, per_row, width)(tokens, count, ctx0, table, *extras, *per_row)
-        return tuple(x[:real].clone() for x in out)
-
-    def _graph(self, b: int, p: int, per_row: list[torch.Tensor], width: int = 0):
-        """The step's graph at batch bucket b and page bucket p (sampled when per_row
-        holds the rows' sampling tensors), captured on first use."""
-        gb, dev, c = self.buckets, self.cache.device, self.catch_up_len
-
-        def example(bb: int) -> list[torch.Tensor]:
-            return [torch.zeros((bb, c), dtype=torch.int64, device=dev),
-                    torch.ones(bb, dtype=torch.int32, device=dev),
-                    torch.zeros(bb, dtype=torch.int32, device=dev), gb.table_example(bb, p),
-                    *[torch.zeros((bb, c, *shape), dtype=dtype, device=dev)
-                      for shape, dtype in self.extras],
-                    *[x[:1].expand(bb).contiguous() for x in per_row]]
-
-        n = 4 + len(self.extras)
-
-        def fn(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return self.fn(*xs[:n], sampling=[*xs[n:], width] if per_row else None)
-
-        return gb.get(("step-sampled", width) if per_row else "step", b, p, example, fn)
-
-    def capture_all(self, max_batch: int) -> None:
-        """Every family (greedy; sampled from the top-k first or the whole vocabulary)
-        at every batch bucket to max_batch's, smallest page bucket."""
-        greedy = _per_row([GREEDY], [False], self.cache.device)
-        for per_row, width in (([], 0), (greedy, TOPK_FIRST), (greedy, -1)):
-            self._graph(bucket(max_batch), self.buckets.min_pages, per_row, width)
 
 
 def prefill_parts(rows: list[tuple[DraftSeq, int, int]], limit: int
@@ -151,12 +72,6 @@ def prefill_parts(rows: list[tuple[DraftSeq, int, int]], limit: int
     return [p for p in parts if p]
 
 
-def _per_row(params: list[SamplingParams], rejection: list[bool], dev: torch.device
-             ) -> list[torch.Tensor]:
-    """A sampled step's per-row inputs: the sampling parameters and rejection flag."""
-    return as_tensors(params, dev) + [torch.tensor(rejection, device=dev)]
-
-
 class KVDrafter:
     """What a subclass provides: ``_new`` (its DraftSeq), ``_units``, ``_inputs``,
     ``_prefill``, ``_step_fn`` (returns tokens, parents [B, N] and anything else it
@@ -164,6 +79,7 @@ class KVDrafter:
 
     light = False
     needs_model = True
+    levels = False          # drafts level by level: a shallower tree costs fewer forwards
 
     def __init__(self, cache: PagedKVCache, env: TreeEnvelope, ops: ModuleType,
                  model_name: str, extras: list[Extra]) -> None:
@@ -208,7 +124,8 @@ class KVDrafter:
 
     def _step_fn(self, tokens: torch.Tensor, count: torch.Tensor, ctx0: torch.Tensor,
                  table: torch.Tensor, *extras: torch.Tensor,
-                 sampling: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+                 sampling: list[torch.Tensor] | None = None, depth: int = 0
+                 ) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
     def _before_step(self) -> None:
@@ -234,8 +151,10 @@ class KVDrafter:
         if st is not None:
             self.cache.release(st.pages)
 
-    def propose(self, seq_ids: list[int],
-                sampling: list[RowSampling | None] | None = None) -> TreeBatch:
+    def propose(self, seq_ids: list[int], sampling: list[RowSampling | None] | None = None,
+                depth: int = 0) -> TreeBatch:
+        """depth: the verify takes no deeper nodes (0: the envelope's); a ``levels``
+        drafter then expands that many levels only (greedy batches)."""
         self._before_step()
         rows = self._reserve(seq_ids)
         if not rows:
@@ -243,7 +162,8 @@ class KVDrafter:
         picked = None if sampling is None else [sampling[r] for r in rows]
         if picked is not None and all(q is None for q in picked):
             picked = None
-        trees = self._draft([self._seqs[seq_ids[r]] for r in rows], picked)
+        shallow = depth if self.levels and picked is None and 0 < depth < self.env.depth else 0
+        trees = self._draft([self._seqs[seq_ids[r]] for r in rows], picked, shallow)
         return trees.scatter(rows, len(seq_ids))
 
     def _reserve(self, seq_ids: list[int]) -> list[int]:
@@ -279,8 +199,8 @@ class KVDrafter:
                         self.cache.blocks.num_blocks, self.cache.block_size, seq_id, self._short)
 
     @torch.inference_mode()
-    def _draft(self, seqs: list[DraftSeq], sampling: list[RowSampling | None] | None
-               ) -> TreeBatch:
+    def _draft(self, seqs: list[DraftSeq], sampling: list[RowSampling | None] | None,
+               depth: int = 0) -> TreeBatch:
         c = self.graphs.catch_up_len
         units = [self._units(st) for st in seqs]
         for st, u in zip(seqs, units):
@@ -293,7 +213,11 @@ class KVDrafter:
                 st.pages.kv_len = hi
         inputs = [self._inputs(st, st.pages.kv_len, u) for st, u in zip(seqs, units)]
         out = self.graphs([t for t, _ in inputs], [x for _, x in inputs],
-                          [st.pages for st in seqs], sampling)
+                          [st.pages for st in seqs], sampling, depth)
+        if depth:           # a shallower tree, widened to the envelope's nodes
+            fills = (0, PAD) + (-1,) * (len(out) - 2)
+            out = tuple(torch.nn.functional.pad(x, (0, self.env.num_nodes - x.shape[1]),
+                                                value=f) for x, f in zip(out, fills))
         for st, u in zip(seqs, units):
             st.pages.kv_len = u
         self._drafted(seqs, out)
@@ -315,7 +239,8 @@ class KVDrafter:
         t0 = time.perf_counter()
         gpu = self.cache.device.type == "cuda"
         if gpu:
-            self.graphs.capture_all(WARM_BATCH)
+            self.graphs.capture_all(WARM_BATCH,
+                                    budget_depths(self.env)[1:] if self.levels else ())
         groups = [[n] for n in lengths] + [[lengths[0]] * batch]
         if gpu:
             room = self.cache.blocks.num_blocks * self.cache.block_size // 2

@@ -28,7 +28,7 @@ import torch
 from common.forward_batch import build_forward_batch, chain_chunk
 from common.model_paths import resolve_model
 from common.qwen3 import Qwen3Model
-from common.tree import ROOT, TreeEnvelope
+from common.tree import ROOT, TreeEnvelope, shallower
 from draft_service.kv_drafter import DraftSeq, KVDrafter
 from draft_service.model_step import catch_up_and_expand, level_depths
 from kernels.dispatch import select
@@ -48,6 +48,7 @@ class _Seq(DraftSeq):
 
 class ModelProposer(KVDrafter):
     name = "model"
+    levels = True
 
     def __init__(self, model: Qwen3Model, env: TreeEnvelope, ops: ModuleType,
                  num_blocks: int, block_size: int, model_name: str = "") -> None:
@@ -108,9 +109,10 @@ class ModelProposer(KVDrafter):
         self.net(fb, self.cache, self.ops)
 
     def _step_fn(self, tokens: torch.Tensor, count: torch.Tensor, ctx0: torch.Tensor,
-                 table: torch.Tensor, sampling: list[torch.Tensor] | None = None
-                 ) -> tuple[torch.Tensor, ...]:
-        return catch_up_and_expand(self.net, self.cache, self.ops, self.env, self._depths,
+                 table: torch.Tensor, sampling: list[torch.Tensor] | None = None,
+                 depth: int = 0) -> tuple[torch.Tensor, ...]:
+        return catch_up_and_expand(self.net, self.cache, self.ops,
+                                   shallower(self.env, depth or self.env.depth), self._depths,
                                    tokens, count, ctx0, table, sampling)
 
     def _before_step(self) -> None:

@@ -1,5 +1,5 @@
 """The draft model's step at a fixed shape, entirely on the device (what its CUDA
-graph holds: draft_service.kv_drafter.DraftGraphs).
+graph holds: draft_service.draft_graphs.DraftGraphs).
 
 ``catch_up_and_expand``: a [B, depth + 1] catch-up chain whose unused tail is
 padding, then ``expand``: EAGLE-2 expansion over depth - 1 tree chunks

@@ -60,6 +60,8 @@ class Proposer(Protocol):
     light: bool                              # a step is host work far under 1 ms: the
                                              # servicer runs it on its event loop
     needs_model: bool                        # DraftConfig.model is required
+    # optional: levels = True when propose takes depth= (the verify takes nothing deeper;
+    # such a drafter expands fewer levels, at fewer forwards); the others are pruned
 
     @classmethod
     def from_config(cls, cfg: DraftConfig) -> Proposer: ...

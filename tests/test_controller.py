@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from common.tree import PAD, PRESETS, TreeBatch, budget_nodes, cut_depth
+from common.tree import PAD, PRESETS, TreeBatch, budget_depths, budget_nodes, cut_depth
 from common.spec_types import DrafterInfo
-from verify_service.controller import Controller, Plan, budget_depths
+from verify_service.controller import Controller, Plan
 
 CHAIN4 = PRESETS["chain4"]
 
@@ -178,6 +178,9 @@ def test_every_budget_is_lossless_greedy_and_seeded(target_dir, speculation):
                 sampled = await c.generate(prompt_ids=PROMPTS[0], max_tokens=16,
                                            ignore_eos=True, temperature=0.8, seed=11)
             assert h["engine"].kv_pages_used == 0
+            if speculation == "cut" and spec:     # the draft expanded those levels only
+                families = {k[0] for k in h["draft_engine"].proposer.graphs.buckets.graphs}
+                assert {("step", 1), ("step", 2), "step"} <= families, families
             return greedy, sampled, (cyc.depths if speculation == "cut" and spec else None)
 
     greedy, sampled, depths = asyncio.run(go(True))

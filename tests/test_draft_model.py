@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
-from common.tree import PAD, TreeEnvelope, envelope_from, node_depths, validate_tree
+from common.tree import (PAD, TreeEnvelope, budget_nodes, envelope_from, node_depths,
+                         validate_tree)
 from draft_service.config import DraftConfig
 from draft_service.model_proposer import ModelProposer
 
@@ -124,8 +125,12 @@ def random_walk(rng: random.Random, tokens: list[int], parents: list[int]) -> li
         path.append(cur)
 
 
-@pytest.mark.parametrize("name", ["chain4", "tree-small", "tree-wide"])
-def test_compacted_kv_proposes_exactly_what_a_recompute_does(draft_dir, name):
+@pytest.mark.parametrize("name, shallow", [("chain4", False), ("tree-small", False),
+                                           ("tree-wide", False), ("chain4", True),
+                                           ("tree-small", True)])
+def test_compacted_kv_proposes_exactly_what_a_recompute_does(draft_dir, name, shallow):
+    """shallow: steps asked for trees of depth 2 and 1 between whole ones (the verify's
+    budget): only that many levels are expanded, and the KV kept after them is right."""
     env = envelope_from(name)
     moves = []
 
@@ -145,14 +150,19 @@ def test_compacted_kv_proposes_exactly_what_a_recompute_does(draft_dir, name):
     for step in range(6):
         order = list(seqs)
         rng.shuffle(order)
-        _tb = inc.propose(order)
+        depth = (0, 2, 1)[step % 3] if shallow else 0
+        _tb = inc.propose(order, depth=depth)
         t, p = _tb.tokens, _tb.parents
         for s in order:
             fresh.release(s)
             fresh.update(s, seqs[s], len(seqs[s]), [], None)
-        _tb = fresh.propose(order)
+        _tb = fresh.propose(order, depth=depth)
         t2, p2 = _tb.tokens, _tb.parents
         assert torch.equal(t, t2) and torch.equal(p, p2), f"step {step}"
+        if depth:
+            deep = [len(path_of(t[r].tolist(), p[r].tolist(), i)) for r in range(len(order))
+                    for i in range(env.num_nodes) if p[r, i] != PAD]
+            assert max(deep) <= depth and len(deep) == len(order) * budget_nodes(env, depth)
         for row, s in enumerate(order):
             path = random_walk(rng, t[row].tolist(), p[row].tolist())
             new = [int(t[row, n]) for n in path] + [rng.randrange(VOCAB)]

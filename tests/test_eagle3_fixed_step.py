@@ -96,3 +96,19 @@ def test_late_drafter_keeps_hidden_rows_aligned(target_dir, head_dir, slow_call)
         assert out.token_ids == greedy_reference(target_dir, p, MAX_TOKENS)
     assert "deadline" in fallbacks
     assert set(fallbacks) <= {"deadline", "busy"}, fallbacks
+
+
+def test_a_shallower_budget_expands_fewer_levels(head_dir):
+    """Asked for depth 2 of tree-small (the verify's budget), the head expands one
+    level after the catch-up: exactly the nodes a depth-2 tree of the envelope holds,
+    none deeper; the whole envelope again afterwards."""
+    from common.tree import PAD, budget_nodes, node_depths
+    env = PRESETS["tree-small"]
+    p = _proposer(head_dir, env)
+    tokens, rows = _inputs(4, 9)
+    p.update(1, tokens, len(tokens), [], rows)
+    t, par = tp(p.propose([1], depth=2))
+    live = par[0] != PAD
+    assert int(live.sum()) == budget_nodes(env, 2) and t.shape[1] == env.num_nodes
+    assert int(node_depths(par).max()) <= 2
+    assert tp(p.propose([1]))[1][0].ne(PAD).all()

@@ -34,7 +34,7 @@ import numpy as np
 
 from common.graph_buckets import BATCH_BUCKETS
 from common.spec_types import DrafterInfo
-from common.tree import TreeEnvelope, budget_nodes
+from common.tree import TreeEnvelope, budget_depths, budget_nodes
 
 MODES = ("adaptive", "always", "off")
 REST_BELOW = 0.15          # expected accepted tokens a step under which a sequence rests
@@ -43,16 +43,6 @@ PRIOR_RATE, PRIOR_WEIGHT, SEQ_WEIGHT = 0.5, 1.0, 1.0
 UNKNOWN_RATIO = 1.05       # a shape's cost over plain decode's before it is measured
 MAX_RETRY = 256            # the most plain steps between two tries of speculation
 PLAIN_AFTER = 4            # speculating steps at a bucket before plain decode is measured
-
-
-def budget_depths(env: TreeEnvelope) -> tuple[int, ...]:
-    """The budgets' depths, deepest first: the envelope's and its halvings (at most 4)."""
-    out: list[int] = []
-    d = env.depth
-    while d >= 1 and len(out) < 4:
-        out.append(d)
-        d //= 2
-    return tuple(out)
 
 
 class Counts:
