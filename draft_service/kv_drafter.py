@@ -1,5 +1,5 @@
 """The base of the drafters that run a network over their own paged KV cache (draft
-model, EAGLE-3, DFlash), and the CUDA graphs their steps replay. A drafter of this
+model, EAGLE-3, DFlash). A drafter of this
 kind forwards *units* of a sequence (the draft model: committed tokens; EAGLE-3 and
 DFlash: committed (token, target feature) pairs) into its KV cache and drafts from
 the newest one. Per sequence it keeps a SeqPages whose ``kv_len``
@@ -14,12 +14,13 @@ units have draft KV. One step over the batch:
 3. *draft*: ONE replay of the subclass's fixed-shape step (``_step_fn``): the last
    1 .. depth + 1 units of each row as a padded chain, then the tree expansion and
    rerank, all on the device. In steady state a row brings the accepted path and
-   the bonus token, at most depth + 1 units, so a step is one replay.
+   the bonus token, at most depth + 1 units, so a step is one replay. When the
+   verify will take a shallower tree (the request's max_depth), a ``levels``
+   drafter replays a graph that expands only that many levels.
 
 A batch with a sampling row drafts it with the request's seeded noise
-(common.sampling.draft_scores through tree_build.Expansion). ``DraftGraphs`` pads a
-step to its batch bucket and replays one graph per (greedy or sampled with its filter
-width, batch bucket, page bucket); on the CPU the same function runs eagerly.
+(common.sampling.draft_scores through tree_build.Expansion). The graphs:
+draft_service.draft_graphs.
 """
 
 from __future__ import annotations
