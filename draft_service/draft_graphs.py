@@ -20,8 +20,8 @@ Extra = tuple[tuple[int, ...], torch.dtype]
 
 class DraftGraphs:
     """A drafter's step ``fn(tokens [B, C] int64, count [B] int32, ctx0 [B] int32,
-    table [B, P] int32, *extras [B, C, ...], sampling=None)`` captured per (batch
-    bucket, page bucket), and again with sampling (each row's [temperature, top_k,
+    table [B, P] int32, *extras [B, C, ...], sampling=None, depth=0)`` captured per
+    (batch bucket, page bucket), again per shallower depth (greedy), and with sampling (each row's [temperature, top_k,
     top_p, min_p, seed] and rejection flag [B], padding rows greedy, then the batch's
     filter width, a constant of the graph) for batches where a row samples: row b's
     first count[b] units are written from ctx0[b] on, the rest is padding. A sampled
