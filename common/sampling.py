@@ -116,13 +116,6 @@ def filter_sparse(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.where(keep, sorted_x, -math.inf), order
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, min_p: torch.Tensor, width: int = -1) -> torch.Tensor:
-    """filter_sparse's result as logits [R, V] (the filtered-out tokens at -inf)."""
-    vals, ids = filter_sparse(logits, temperature, top_k, top_p, min_p, width)
-    return torch.full_like(logits, float("-inf")).scatter(-1, ids, vals)
-
-
 def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
          top_p: torch.Tensor, min_p: torch.Tensor, seed: torch.Tensor,
          position: torch.Tensor, width: int = -1) -> torch.Tensor:

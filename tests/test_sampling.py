@@ -12,8 +12,14 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
 
 from common.errors import InvalidRequest
 from common.sampling import (GREEDY, TOPK_FIRST, SamplingParams, checkpoint_defaults, draw,
-                             filter_logits, filter_width, resolve)
+                             filter_sparse, filter_width, resolve)
 from kernels.noise import gumbel_noise
+
+
+def filter_logits(logits, temperature, top_k, top_p, min_p, width=-1) -> torch.Tensor:
+    """filter_sparse's result as dense logits [R, V] (the filtered-out tokens at -inf)."""
+    vals, ids = filter_sparse(logits, temperature, top_k, top_p, min_p, width)
+    return torch.full_like(logits, float("-inf")).scatter(-1, ids, vals)
 
 
 def test_filtering_equals_transformers_warpers():
