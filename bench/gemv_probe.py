@@ -1,7 +1,8 @@
 """Skinny linears on the GPU: cuBLAS (F.linear, + silu_mul for gate_up) against
-kernels/triton_gemv.py over a sweep of tile configs, at the Qwen3-8B projections.
+kernels/triton_gemv.py over a sweep of tile configs, at the Qwen3-8B projections
+(--shapes 8b), the Qwen3-0.6B draft model's (0.6b) or the 8B EAGLE-3 head's (eagle3).
 
-    python bench/gemv_probe.py --out DIR [--rows 1,5,16]
+    python bench/gemv_probe.py --out DIR [--rows 1,5,16] [--shapes 8b,0.6b,eagle3]
 
 Each timing replays a CUDA graph that walks several copies of the weight (more
 bytes than L2 holds, as a real step's 36 layers do), median of 5 replays.
@@ -28,9 +29,15 @@ from bench.inproc_bench import replay_ms  # noqa: E402
 from kernels import triton_gemv  # noqa: E402
 from kernels.triton_fused import silu_mul  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096, False), "o_proj": (4096, 4096, False),
-          "gate_up": (24576, 4096, True), "down": (4096, 12288, False),
-          "lm_head": (151936, 4096, False)}
+# name: (N output columns, K, fused SwiGLU)
+SHAPES = {"8b": {"qkv": (6144, 4096, False), "o_proj": (4096, 4096, False),
+                 "gate_up": (24576, 4096, True), "down": (4096, 12288, False),
+                 "lm_head": (151936, 4096, False)},
+          "0.6b": {"qkv": (4096, 1024, False), "o_proj": (1024, 2048, False),
+                   "gate_up": (6144, 1024, True), "down": (1024, 3072, False),
+                   "lm_head": (151936, 1024, False)},
+          "eagle3": {"qkv": (6144, 8192, False), "fc": (4096, 12288, False),
+                     "lm_head": (32000, 4096, False)}}
 SWEEP = list(itertools.product((16, 32, 64), (256, 512), (4, 8), (2, 4))) + [
     (8, 512, 4, 3), (16, 1024, 4, 3), (16, 1024, 8, 2), (32, 128, 4, 4)]
 # past 16 rows the x tile grows with the row class: smaller K tiles
@@ -56,11 +63,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,5,16")
     ap.add_argument("--name", default="gemv_probe", help="output file stem")
+    ap.add_argument("--shapes", default="8b", help=f"of {', '.join(SHAPES)}")
     a = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
     res: dict = {}
-    for name, (n, k, silu) in SHAPES.items():
+    shapes = {f"{group}:{name}": v for group in a.shapes.split(",")
+              for name, v in SHAPES[group].items()}
+    for name, (n, k, silu) in shapes.items():
         nbytes = n * k * 2
         copies = max(2, -(-600_000_000 // nbytes))
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -109,7 +119,7 @@ def main() -> None:
                 many = ours(ws[0], cfg)
                 row["row_invariant"] = bool(torch.equal(one[0], many[0]))
             entry[str(m)] = row
-            print(f"{name:8s} M={m:2d} cublas {ms * 1000:7.1f} us {row['cublas_tb_s']:.2f} TB/s"
+            print(f"{name:14s} M={m:2d} cublas {ms * 1000:7.1f} us {row['cublas_tb_s']:.2f} TB/s"
                   f" | triton best {best} {row['best_ms'] * 1000:7.1f} us"
                   f" {row['best_tb_s']:.2f} TB/s x{row['speedup']:.2f}", flush=True)
         res[name] = entry

@@ -34,7 +34,7 @@ from common.checkpoint import CheckpointError, load_state_dict, safetensor_files
 from common.forward_batch import ForwardBatch
 from common.kv_cache import PagedKVCache
 from common.model_paths import SHIPPED_NAMES, resolve_model
-from kernels.reference import rope, rope_cos_sin
+from common.qwen3 import rope_inv_freq
 
 TARGET_EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight")
 
@@ -100,7 +100,8 @@ class Eagle3Head(nn.Module):
         self.norm = nn.Parameter(torch.ones(h))
         self.lm_head = nn.Linear(h, s.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(s.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("inv_freq", _inv_freq(s), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(s, torch.device("cpu")),
+                             persistent=False)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target_embeddings: str | Path | None = None,
@@ -155,7 +156,7 @@ class Eagle3Head(nn.Module):
             raise CheckpointError("EAGLE-3 d2t does not map the draft vocabulary into the target's")
         own["d2t"] = d2t.long().to(device)
         self.load_state_dict(own, strict=True, assign=True)
-        self.inv_freq = _inv_freq(s).to(device)
+        self.inv_freq = rope_inv_freq(s, device)
 
     @property
     def device(self) -> torch.device:
@@ -179,19 +180,16 @@ class Eagle3Head(nn.Module):
         s, eps, t = self.spec, self.spec.rms_norm_eps, h.shape[0]
         hn = ops.rms_norm(h, self.hidden_norm, eps)
         a = torch.cat([ops.rms_norm(self.embed(fb.input_ids), self.input_norm, eps), hn], -1)
-        q, k, v = self.qkv(a).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        cos, sin = rope_cos_sin(fb.positions, self.inv_freq)
-        q = rope(q.reshape(t, s.num_heads, s.head_dim), cos, sin)
-        k = rope(k.reshape(t, s.num_kv_heads, s.head_dim), cos, sin)
-        ops.write_kv(cache.k[0], cache.v[0], k, v.reshape(t, s.num_kv_heads, s.head_dim),
-                     fb.slots)
+        q = ops.qk_norm_rope_write(ops.linear(a, self.qkv.weight), None, None, fb.positions,
+                                   self.inv_freq, cache.k[0], cache.v[0], fb.slots,
+                                   s.num_heads, s.num_kv_heads, eps)
         attn = ops.paged_tree_attention(q, cache.k[0], cache.v[0], fb.block_tables,
                                         fb.context_lens, fb.cu_q, fb.chunk_parents,
                                         s.head_dim ** -0.5)
         residual = hn if s.norm_before_residual else h
-        m, r = ops.add_rms_norm(self.o_proj(attn.reshape(t, self.q_size)), residual,
-                                self.post_norm, eps)
-        return r + self.down(ops.silu_mul(self.gate_up(m)))
+        m, r = ops.add_rms_norm(ops.linear(attn.reshape(t, self.q_size), self.o_proj.weight),
+                                residual, self.post_norm, eps)
+        return r + ops.linear(ops.linear_silu_mul(m, self.gate_up.weight), self.down.weight)
 
     @torch.inference_mode()
     def features(self, feats: torch.Tensor) -> torch.Tensor:
@@ -201,16 +199,16 @@ class Eagle3Head(nn.Module):
     @torch.inference_mode()
     def logits(self, out: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """Draft-vocabulary logits [T, V_d] fp32 of `out` [T, H]."""
-        return self.lm_head(ops.rms_norm(out, self.norm, self.spec.rms_norm_eps)).float()
+        return self.draft_logits(out, ops).float()
+
+    def draft_logits(self, out: torch.Tensor, ops: ModuleType) -> torch.Tensor:
+        """The same in the head's dtype (a greedy chain's argmax needs no more)."""
+        return ops.linear(ops.rms_norm(out, self.norm, self.spec.rms_norm_eps),
+                          self.lm_head.weight)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft ids -> target ids (same shape and dtype)."""
         return draft_ids + self.d2t[draft_ids.long()].to(draft_ids.dtype)
-
-
-def _inv_freq(spec: Eagle3Spec) -> torch.Tensor:
-    d = spec.head_dim
-    return (1.0 / spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)).float()
 
 
 def _tensor_names(path: Path) -> set[str]:

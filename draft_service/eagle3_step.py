@@ -3,7 +3,8 @@ CUDA graph holds: draft_service.draft_graphs.DraftGraphs).
 
 ``eagle3_step``: a [B, depth + 1] catch-up chain of committed pairs whose unused
 tail is padding, then ``expand_eagle3``: depth - 1 tree chunks whose hidden inputs
-are their parents' outputs, and the rerank (see eagle3_proposer for the alignment).
+are their parents' outputs, and the rerank (see eagle3_proposer for the alignment);
+a greedy chain forwards one node a level (model_step.greedy_chain).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from common.forward_batch import device_forward_batch, padded_chain_batch
 from common.kv_cache import PagedKVCache
 from common.tree import TreeEnvelope
 from draft_service.eagle3_head import Eagle3Head
-from draft_service.model_step import scores
+from draft_service.model_step import greedy_chain, scores
 from draft_service.tree_build import Expansion
 
 
@@ -28,6 +29,16 @@ def expand_eagle3(head: Eagle3Head, cache: PagedKVCache, ops: ModuleType, env: T
     committed pairs (the tree is scratch after them; level-1 tokens sit at token
     position ctx + 1); table [B, P] -> tokens, parents [B, N] (target ids) and, when
     sampling, q_ids (target ids), q_probs [B, N, Q]."""
+    if sampling is None and env.topk == 1:
+        out = root
+
+        def forward(fb):        # a level's input hidden is its parent's output
+            nonlocal out
+            out = head(fb, cache, ops, out)
+            return head.to_target(head.draft_logits(out, ops).argmax(-1))
+
+        first = head.to_target(head.draft_logits(root, ops).argmax(-1))
+        return greedy_chain(first, env.depth, ctx, table, cache.block_size, forward)[:2]
     ids = head.to_target(torch.arange(head.spec.draft_vocab_size, device=root.device))
     lp, pick, q = scores(head.logits(root, ops), sampling, ctx + 1, ids)
     exp = Expansion(lp, env.topk, env.depth, pick, q,

@@ -3,17 +3,20 @@ graph holds: draft_service.draft_graphs.DraftGraphs).
 
 ``catch_up_and_expand``: a [B, depth + 1] catch-up chain whose unused tail is
 padding, then ``expand``: EAGLE-2 expansion over depth - 1 tree chunks
-(``tree_build.Expansion``) and the rerank. Every shape depends only on (B, P) for
-a given envelope.
+(``tree_build.Expansion``) and the rerank, or for a greedy chain ``greedy_chain``:
+each level forwards only its one new token per row (the levels before it already
+wrote their KV) and takes the argmax, with no scores or tree bookkeeping. Every
+shape depends only on (B, P) for a given envelope.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Callable
 
 import torch
 
-from common.forward_batch import device_forward_batch, padded_chain_batch
+from common.forward_batch import ForwardBatch, device_forward_batch, padded_chain_batch
 from common.kv_cache import PagedKVCache
 from common.qwen3 import Qwen3Model
 from common.tree import TreeEnvelope
@@ -47,15 +50,40 @@ def scores(logits: torch.Tensor, sampling: list[torch.Tensor] | None, position: 
                                                             qp.view(*lead, -1))
 
 
+def greedy_chain(first: torch.Tensor, depth: int, ctx: torch.Tensor, table: torch.Tensor,
+                 block_size: int, forward: Callable[[ForwardBatch], torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A greedy chain of depth tokens: first [B] (level 1, at position ctx), then each
+    level's token forward(fb) [B] after its parent, fb one token a row at slot and
+    position ctx + level - 1 (after the committed units and the chain's earlier
+    levels). Returns tokens, parents [B, depth] int32 and chunk_pos [B, depth] (where
+    each node's KV sits after ctx; -1 for the last, never forwarded): what
+    ``expand`` returns for a chain."""
+    b, dev = first.shape[0], first.device
+    tokens = [first]
+    alone = torch.full((b, 1), -1, dtype=torch.int32, device=dev)     # sees the context
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    for level in range(1, depth):
+        fb = device_forward_batch(tokens[-1].unsqueeze(1), alone, zero, ctx + (level - 1),
+                                  table, block_size)
+        tokens.append(forward(fb))
+    at = torch.arange(depth, device=dev)
+    return (torch.stack(tokens, 1).to(torch.int32), (at - 1).to(torch.int32).expand(b, depth),
+            torch.where(at < depth - 1, at, -1).expand(b, depth))
+
+
 def expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType, env: TreeEnvelope,
            depths: list[torch.Tensor], root_logits: torch.Tensor, ctx: torch.Tensor,
            table: torch.Tensor, sampling: list[torch.Tensor] | None = None
            ) -> tuple[torch.Tensor, ...]:
-    """root_logits [B, V] the root's next-token logits, ctx [B] int32 draft kv_len (the
-    root's KV written: level-1 tokens sit at position ctx), table [B, P] int32 ->
-    tokens, parents [B, N] int32, chunk_pos [B, N] (and, sampling, q_ids, q_probs
-    [B, N, Q])."""
+    """root_logits [B, V] the root's next-token logits (the model's dtype), ctx [B]
+    int32 draft kv_len (the root's KV written: level-1 tokens sit at position ctx),
+    table [B, P] int32 -> tokens, parents [B, N] int32, chunk_pos [B, N] (and,
+    sampling, q_ids, q_probs [B, N, Q])."""
     b = root_logits.shape[0]
+    if sampling is None and env.topk == 1:
+        return greedy_chain(root_logits.argmax(-1), env.depth, ctx, table, cache.block_size,
+                            lambda fb: net.greedy(net(fb, cache, ops)[0], ops))
     lp, pick, q = scores(root_logits, sampling, ctx)
     exp = Expansion(lp, env.topk, env.depth, pick, q,
                     static=None if sampling is None else sampling[0] > 0)
@@ -64,7 +92,8 @@ def expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType, env: TreeEnvel
         fb = device_forward_batch(tok, par, depths[level - 1], ctx, table, cache.block_size)
         hidden, _ = net(fb, cache, ops)                                   # [B*level*K, H]
         newest = hidden.view(b, level * env.topk, -1)[:, (level - 1) * env.topk:]
-        exp.grow(level, *scores(net.logits(newest), sampling, ctx + level))   # [B, K, V]
+        logits = ops.linear(newest.reshape(b * env.topk, -1), net.lm_head.weight)
+        exp.grow(level, *scores(logits.view(b, env.topk, -1), sampling, ctx + level))
     return exp.rerank(env.num_nodes)
 
 
@@ -83,5 +112,5 @@ def catch_up_and_expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType,
     fb = padded_chain_batch(tokens, count, ctx0, table, cache.block_size)
     hidden, _ = net(fb, cache, ops)                                              # [B*C, H]
     last = hidden.view(b, c, -1)[torch.arange(b, device=tokens.device), count.long() - 1]
-    return expand(net, cache, ops, env, depths, net.logits(last), ctx0 + count, table,
-                  sampling)
+    return expand(net, cache, ops, env, depths, ops.linear(last, net.lm_head.weight),
+                  ctx0 + count, table, sampling)

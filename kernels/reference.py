@@ -291,18 +291,22 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
-def qk_norm_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
-                       positions: torch.Tensor, inv_freq: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                       num_heads: int, num_kv_heads: int, eps: float) -> torch.Tensor:
-    """Split qkv [T, (Hq + 2 Hkv) D]; RMS-norm q and k per head, rotate them, store
-    k and v at slots of one layer's pages. Returns q [T, Hq, D]."""
+def qk_norm_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor | None,
+                       k_norm: torch.Tensor | None, positions: torch.Tensor,
+                       inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slots: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float
+                       ) -> torch.Tensor:
+    """Split qkv [T, (Hq + 2 Hkv) D]; RMS-norm q and k per head (Qwen3; with no norm
+    weights, None, as an EAGLE-3 head: no norm), rotate them, store k and v at slots of
+    one layer's pages. Returns q [T, Hq, D]."""
     t = qkv.shape[0]
-    d = q_norm.shape[0]
+    d = 2 * inv_freq.shape[0]
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q, k = q.reshape(t, num_heads, d), k.reshape(t, num_kv_heads, d)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     cos, sin = rope_cos_sin(positions, inv_freq)
-    q = rope(rms_norm(q.reshape(t, num_heads, d), q_norm, eps), cos, sin)
-    k = rope(rms_norm(k.reshape(t, num_kv_heads, d), k_norm, eps), cos, sin)
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
     write_kv(k_cache, v_cache, k, v.reshape(t, num_kv_heads, d), slots)
     return q
 

@@ -73,7 +73,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, freq_ptr, kc_ptr, vc_ptr, slot_ptr,
                          q_out_ptr, s_qkv, s_qt, s_qh, s_kcs, s_kch, s_vcs, s_vch, eps,
-                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                         NORM: tl.constexpr, PDL: tl.constexpr):
     """Program (token, head): q heads 0..HQ-1, then kv heads (k normed + rotated, v copied)."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -87,16 +88,17 @@ def _qk_norm_rope_kernel(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, freq_ptr, kc_ptr, vc_
     x1 = tl.load(qkv_ptr + t * s_qkv + base + half)
     x2 = tl.load(qkv_ptr + t * s_qkv + base + D // 2 + half)
     dt = x1.dtype
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    inv = 1.0 / tl.sqrt((vsum(f1 * f1, 0) + vsum(f2 * f2, 0)) / D + eps)
-    if is_q:
-        w1 = tl.load(qn_ptr + half).to(tl.float32)
-        w2 = tl.load(qn_ptr + D // 2 + half).to(tl.float32)
-    else:
-        w1 = tl.load(kn_ptr + half).to(tl.float32)
-        w2 = tl.load(kn_ptr + D // 2 + half).to(tl.float32)
-    n1 = (f1 * inv * w1).to(dt).to(tl.float32)      # the reference rounds after the norm
-    n2 = (f2 * inv * w2).to(dt).to(tl.float32)
+    n1, n2 = x1.to(tl.float32), x2.to(tl.float32)
+    if NORM:
+        inv = 1.0 / tl.sqrt((vsum(n1 * n1, 0) + vsum(n2 * n2, 0)) / D + eps)
+        if is_q:
+            w1 = tl.load(qn_ptr + half).to(tl.float32)
+            w2 = tl.load(qn_ptr + D // 2 + half).to(tl.float32)
+        else:
+            w1 = tl.load(kn_ptr + half).to(tl.float32)
+            w2 = tl.load(kn_ptr + D // 2 + half).to(tl.float32)
+        n1 = (n1 * inv * w1).to(dt).to(tl.float32)      # the reference rounds after the norm
+        n2 = (n2 * inv * w2).to(dt).to(tl.float32)
     o1 = (n1 * cos - n2 * sin).to(dt)
     o2 = (n2 * cos + n1 * sin).to(dt)
     if is_q:
@@ -115,24 +117,26 @@ def _qk_norm_rope_kernel(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, freq_ptr, kc_ptr, vc_
         tl.store(vc_ptr + slot * s_vcs + kh * s_vch + full, v.to(vc_ptr.dtype.element_ty))
 
 
-def qk_norm_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
-                       positions: torch.Tensor, inv_freq: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                       num_heads: int, num_kv_heads: int, eps: float) -> torch.Tensor:
+def qk_norm_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor | None,
+                       k_norm: torch.Tensor | None, positions: torch.Tensor,
+                       inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slots: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float
+                       ) -> torch.Tensor:
     """See kernels.reference.qk_norm_rope_write. One program per (token, q or kv head)."""
     where = "qk_norm_rope_write"
-    check_devices(_qk_norm_rope_kernel, where, qkv=qkv, q_norm=q_norm, k_norm=k_norm,
-                  positions=positions, inv_freq=inv_freq, k_cache=k_cache, v_cache=v_cache,
-                  slots=slots)
+    norms = {} if q_norm is None else dict(q_norm=q_norm, k_norm=k_norm)
+    check_devices(_qk_norm_rope_kernel, where, qkv=qkv, positions=positions,
+                  inv_freq=inv_freq, k_cache=k_cache, v_cache=v_cache, slots=slots, **norms)
     check_dtype(where, "qkv", qkv, FLOAT_DTYPES)
     check_dtype(where, "positions", positions, INDEX_DTYPES)
     check_dtype(where, "slots", slots, INDEX_DTYPES)
-    d = q_norm.shape[0]
+    d = 2 * inv_freq.shape[0]
     if d < 2 or d & (d - 1):
         raise ValueError(f"{where}: head_dim must be a power of two, got {d}")
     t = qkv.shape[0]
     check_shape(where, "qkv", qkv, (t, (num_heads + 2 * num_kv_heads) * d))
-    check_shape(where, "k_norm", k_norm, (d,))
+    for name, w in norms.items():
+        check_shape(where, name, w, (d,))
     check_shape(where, "inv_freq", inv_freq, (d // 2,))
     check_shape(where, "positions", positions, (t,))
     check_shape(where, "slots", slots, (t,))
@@ -146,10 +150,11 @@ def qk_norm_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Te
     if t == 0:
         return q
     _qk_norm_rope_kernel[(t, num_heads + num_kv_heads)](
-        qkv, q_norm, k_norm, positions, inv_freq.contiguous(), k_cache, v_cache, slots, q,
+        qkv, q_norm if norms else qkv, k_norm if norms else qkv, positions,
+        inv_freq.contiguous(), k_cache, v_cache, slots, q,
         qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), eps, HQ=num_heads, HKV=num_kv_heads, D=d,
-        num_warps=1 if d <= 64 else 2, **launch_options(_qk_norm_rope_kernel, qkv.device))
+        NORM=bool(norms), num_warps=1 if d <= 64 else 2, **launch_options(_qk_norm_rope_kernel, qkv.device))
     return q
 
 

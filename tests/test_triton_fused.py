@@ -33,12 +33,14 @@ def test_add_rms_norm(dtype, with_residual):
     close(total, want_total, dtype)
 
 
+@pytest.mark.parametrize("norms", [True, False], ids=["qwen3", "eagle3-no-norm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qk_norm_rope_write(dtype):
+def test_qk_norm_rope_write(dtype, norms):
     g = torch.Generator().manual_seed(1)
     t, hq, hkv, d, nb, bs = 4, 4, 2, 16, 6, 4
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEV)
-    qn, kn = (torch.randn(d, generator=g).to(dtype).to(DEV) for _ in range(2))
+    qn, kn = (torch.randn(d, generator=g).to(dtype).to(DEV) if norms else None
+              for _ in range(2))
     pos = torch.tensor([0, 7, 3, 100], device=DEV)
     inv = (1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)).float().to(DEV)
     slots = torch.tensor([5, 0, 17, 9], device=DEV)
@@ -50,6 +52,9 @@ def test_qk_norm_rope_write(dtype):
     close(caches[0], caches[2], dtype)
     close(caches[1], caches[3], dtype)
     assert caches[1].abs().sum() > 0
+    if not norms:       # rotation alone keeps each head's norm
+        heads = qkv[:, :hq * d].float().view(t, hq, d).norm(dim=-1)
+        torch.testing.assert_close(q.float().norm(dim=-1), heads, rtol=2e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
