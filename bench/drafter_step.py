@@ -92,6 +92,19 @@ def kernel_kinds(graph, steps: int = 5) -> dict:
             "by_kind_ms": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}}
 
 
+def host_ops(step, steps: int = 5, top: int = 15) -> dict:
+    """Where a whole step's host time goes: the CPU-side ops and CUDA runtime calls with
+    the most self time, ms per step (synchronisation shows as the waits' time)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return {e.key: [round(e.self_cpu_time_total / 1000 / steps, 4), e.count // steps]
+            for e in ops}
+
+
 def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile: bool,
         g: torch.Generator) -> dict:
     vocab = prop.vocab_size
@@ -128,12 +141,23 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
         prop.graphs = inner
         for name in ("_before_step", "_reserve", "_prefill", "_drafted"):
             prop.__dict__.pop(name, None)
+    if profile and not sampled:     # the same steps again, under the profiler
+
+        def step():
+            for s in ids:
+                toks[s] += torch.randint(0, vocab, (4,), generator=g).tolist()
+                prop.update(s, toks[s], 4, [], hidden(4))
+            prop.propose(ids, samp)
+        acc["host_ops"] = host_ops(step)
     family = ("step-sampled", filter_width([r.params for r in samp])) if sampled else "step"
     key = min((k for k in inner.buckets.graphs if k[0] == family and k[1] >= b),
               key=lambda k: (k[1], -k[2]), default=None)
     graph = inner.buckets.graphs[key] if key else None
     out = {"propose_ms": sorted(walls)[len(walls) // 2],
-           **{k.lstrip("_") + "_ms": round(v / steps, 4) for k, v in acc.items()}}
+           **{k.lstrip("_") + "_ms": round(v / steps, 4) for k, v in acc.items()
+              if k != "host_ops"}}
+    if "host_ops" in acc:
+        out["host_ops_ms_count"] = acc["host_ops"]
     if graph is not None and graph.graph is not None:
         out["replay_ms"] = replay_ms(graph.graph)
         out["graph_key"] = list(map(str, key))

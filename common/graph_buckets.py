@@ -18,10 +18,10 @@ import logging
 import time
 from collections.abc import Callable, Hashable
 
+import numpy as np
 import torch
 
 from common.cuda_graph import StaticGraph
-from common.forward_batch import page_table
 from common.kv_cache import PagedKVCache, SeqPages
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -82,12 +82,11 @@ class BucketedGraphs:
     def shape(self, pages: list[SeqPages]) -> tuple[int, int, torch.Tensor]:
         """(batch bucket, page bucket, [b, p] int32 page table on the host, padded
         with the scratch page)."""
-        real = len(pages)
-        width = max(len(sp.pages) for sp in pages)
         b, p = self.buckets(pages)
-        table = torch.full((b, p), self.scratch, dtype=torch.int32)
-        table[:real, :width] = page_table(pages, torch.device("cpu"), fill=self.scratch)
-        return b, p, table
+        table = np.full((b, p), self.scratch, dtype=np.int32)
+        for r, sp in enumerate(pages):      # row by row: a list per row, not per page
+            table[r, :len(sp.pages)] = sp.pages
+        return b, p, torch.from_numpy(table)
 
     @staticmethod
     def chain_inputs(new_tokens: list[list[int]], pages: list[SeqPages], b: int, c: int
@@ -95,13 +94,13 @@ class BucketedGraphs:
         """Host inputs of a padded catch-up (forward_batch.padded_chain_batch) for a
         batch bucket of b: tokens [b, c] int64, count [b] and context lengths [b]
         int32; padding rows hold one token at position 0."""
-        tokens = torch.zeros((b, c), dtype=torch.int64)
-        count = torch.ones(b, dtype=torch.int32)
-        ctx0 = torch.zeros(b, dtype=torch.int32)
+        tokens = np.zeros((b, c), dtype=np.int64)
+        count = np.ones(b, dtype=np.int32)
+        ctx0 = np.zeros(b, dtype=np.int32)
         for r, (new, sp) in enumerate(zip(new_tokens, pages)):
-            tokens[r, :len(new)] = torch.tensor(new)
+            tokens[r, :len(new)] = new
             count[r], ctx0[r] = len(new), sp.kv_len
-        return tokens, count, ctx0
+        return torch.from_numpy(tokens), torch.from_numpy(count), torch.from_numpy(ctx0)
 
     def table_example(self, bb: int, p: int) -> torch.Tensor:
         return torch.full((bb, p), self.scratch, dtype=torch.int32, device=self.cache.device)

@@ -51,8 +51,8 @@ class DraftGraphs:
         tokens, count, ctx0 = gb.chain_inputs(new_tokens, pages, b, c)
         extras = []
         if self.extras:          # each row's units at [r, :n] of [b, c], in one copy
-            at = torch.cat([torch.arange(len(t)) + r * c for r, t in enumerate(new_tokens)])
-            at = at.to(dev, non_blocking=True)
+            at = torch.tensor([r * c + i for r, t in enumerate(new_tokens)
+                               for i in range(len(t))]).to(dev)
         for k, (shape, dtype) in enumerate(self.extras):
             x = torch.zeros((b, c, *shape), dtype=dtype, device=dev)
             x.view(b * c, *shape)[at] = torch.cat([rows[k] for rows in new_extras])

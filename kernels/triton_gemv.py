@@ -79,8 +79,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, UP_OFF,
              mask=mmask[:, None] & nmask[None, :])
 
 
-# (BN, BK, num_warps, num_stages) by (output columns, K, fused SwiGLU): the fastest of
-# bench/gemv_probe.py's sweep on an H200 at the Qwen3-8B projections (the same tiles
+# (BN, BK, num_warps, num_stages) by (output columns, K, fused SwiGLU, row class): the
+# fastest of bench/gemv_probe.py's sweep on an H200 at the Qwen3-8B projections (the same tiles
 # won at 1, 5 and 16 rows, bench/NOTES.md); the default was within 6 % of the best
 # at every one of them.
 DEFAULT_CONFIG = (32, 256, 4, 4)
@@ -90,6 +90,12 @@ CONFIGS: dict[tuple[int, int, bool, int], tuple[int, int, int, int]] = {
     (12288, 4096, True, 16): (32, 128, 4, 4),       # gate_up + SwiGLU
     (4096, 12288, False, 16): (32, 512, 4, 4),      # down
     (151936, 4096, False, 16): (64, 512, 4, 2),     # lm_head
+    # the Qwen3-0.6B draft model's narrow projections and LM head, EAGLE-3's LM head
+    # (bench/results/gemv_probe_drafters_h200_s15.json; the rest won with the default)
+    (1024, 2048, False, 16): (16, 512, 4, 4),       # o_proj
+    (1024, 3072, False, 16): (16, 512, 4, 4),       # down
+    (151936, 1024, False, 16): (64, 512, 4, 2),     # lm_head
+    (32000, 4096, False, 16): (64, 512, 4, 2),      # EAGLE-3 lm_head (draft vocabulary)
 }
 
 
