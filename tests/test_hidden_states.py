@@ -54,10 +54,11 @@ class RecordingDrafter(pb_grpc.DrafterServicer):
                               parents=codec.encode(parents))
 
 
-@pytest.mark.parametrize("rows_a_step", [None, 5])
-def test_hidden_states_of_committed_tokens_travel_once(target_dir, rows_a_step):
+@pytest.mark.parametrize("rows_a_step,catch_up", [(None, None), (5, None), (None, 8)])
+def test_hidden_states_of_committed_tokens_travel_once(target_dir, rows_a_step, catch_up):
     """rows_a_step: cap the hidden states a request carries (DraftSync's byte budget),
-    so the prompt's cross over several steps, which run plain meanwhile."""
+    so the prompt's cross over several steps, which run plain meanwhile; catch_up: a
+    request bringing the draft more tokens than this (the first: 9) is not waited for."""
     from inproc import greedy_reference
     prompt = [1, 5, 9, 13, 2, 7, 1, 5]
     ref = greedy_reference(target_dir, prompt, 20)
@@ -78,6 +79,8 @@ def test_hidden_states_of_committed_tokens_travel_once(target_dir, rows_a_step):
             await asyncio.sleep(0.02)
         if rows_a_step:
             engine.link.sync.max_hidden_bytes = rows_a_step * len(LAYERS) * 64 * 4
+        if catch_up:
+            engine.link.catch_up_tokens = catch_up
         async with AsyncTreespecClient(f"127.0.0.1:{vport}") as c:
             out = await c.generate(prompt_ids=prompt, max_tokens=20, ignore_eos=True)
         fallbacks = dict(engine.fallbacks)
@@ -92,8 +95,8 @@ def test_hidden_states_of_committed_tokens_travel_once(target_dir, rows_a_step):
     # 9 rows after the prefill (8 prompt tokens and the first) at 5 a step: one plain
     # step while they cross (its request is not waited for: the next step may find the
     # draft still busy with it); after it a step brings at most depth + 1 = 5 rows
-    assert fallbacks.pop("syncing", 0) == (1 if rows_a_step else 0)
-    assert set(fallbacks) <= ({"busy"} if rows_a_step else set())
+    assert fallbacks.pop("syncing", 0) == (1 if rows_a_step or catch_up else 0)
+    assert set(fallbacks) <= ({"busy"} if rows_a_step or catch_up else set())
     (sid, toks), = rec.tokens.items()
     rows = torch.cat(rec.rows[sid])                            # [len(toks), 2 * hidden]
     assert rows.shape[0] == len(toks) and toks == (prompt + ref)[:len(toks)]

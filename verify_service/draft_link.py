@@ -50,8 +50,9 @@ class DraftLink:
     def __init__(self, addr: str, reconnect_s: float, deadline_s: float, vocab_size: int,
                  num_layers: int, busy_poll: bool = False, local: bool = True,
                  rejection: bool = False, tls: ClientTLS | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, catch_up_tokens: int = 4096) -> None:
         self.addr = addr
+        self.catch_up_tokens = catch_up_tokens
         self.tls = tls
         self._md = metadata(api_key)
         self.reconnect_s = reconnect_s
@@ -188,9 +189,11 @@ class DraftLink:
             return None
 
     async def _send_only(self, seqs: list[Sequence], out: Outgoing) -> Drafted:
-        """A request whose every row is still being synced (its trees would go unused):
-        sent without waiting, so the step decodes plain while the draft takes in the
-        hidden states (the answer only frees the draft for the next request)."""
+        """A request whose every row is still being synced (its trees would go unused),
+        or that brings the draft more than catch_up_tokens new tokens (its trees would
+        come past the deadline: the draft's prefill of a batch of new prompts): sent
+        without waiting, so the step decodes plain while the draft takes it in (the
+        answer only frees the draft for the next request)."""
         self._outstanding = out.request.step_id
         try:
             await self._call.write(wire.spec_request_to_pb(out.request, self.sync.shared))
@@ -225,7 +228,9 @@ class DraftLink:
             return Drafted(None, "busy")     # the draft is still on a step that timed out
         out = self.sync.request(seqs, bool(self._info.target_hidden_layers), trace, depth)
         step = out.request.step_id
-        if out.rows and set(out.rows) <= set(out.syncing):
+        if out.rows and (set(out.rows) <= set(out.syncing) or self.catch_up_tokens < sum(
+                len(u.new_tokens) for u in out.request.seqs)):
+            out.syncing = list(out.rows)    # a big catch-up: its trees would come late
             return await self._send_only(seqs, out)
         loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
