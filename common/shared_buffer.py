@@ -6,9 +6,7 @@ its hello. The verify service maps it (registered with CUDA where it can be, so 
 device writes into it directly), copies a step's hidden states into it in one
 device-to-host copy, and its request says only where they lie
 (``Tensor.shared_offset``); the draft reads them from the same pages into its own
-memory (registered with CUDA too when it drafts on a GPU: each sequence's rows then
-cross to the device without a staging copy or a wait, and the draft settles them
-before it answers). No protobuf bytes, no socket copies: on the H200 host 24 KB a token through
+memory. No protobuf bytes, no socket copies: on the H200 host 24 KB a token through
 protobuf ran at about 0.3 GB/s and a batch of 32 new 1024-token prompts took about
 100 steps to cross (bench/NOTES.md, twelfth session).
 
@@ -74,21 +72,9 @@ class SharedBuffer:
             buf = cls(path, fd)
         finally:
             os.close(fd)
-        if pin:
-            buf.pin()
+        if pin and buf.nbytes:
+            buf._pinned = torch.cuda.cudart().cudaHostRegister(buf._base, buf.nbytes, 0) == 0
         return buf
-
-    def pin(self) -> None:
-        """Register the pages with CUDA (where it takes them): copies between them and
-        the device then run as DMA, and may run asynchronously (see settle)."""
-        if self.nbytes and not self._pinned:
-            self._pinned = torch.cuda.cudart().cudaHostRegister(self._base, self.nbytes, 0) == 0
-
-    def settle(self) -> None:
-        """Wait for copies out of a pinned buffer to finish: before the answer, after
-        which the verify service writes the next request's states here."""
-        if self._pinned:
-            torch.cuda.synchronize()
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
         """t copied to the buffer's start (one copy, complete on return)."""

@@ -113,12 +113,6 @@ class DraftEngine:
                            max_model_len=self.cfg.max_model_len)
 
     @property
-    def on_gpu(self) -> bool:
-        """Whether the proposer runs on a GPU (its KV cache lives there)."""
-        cache = getattr(self.proposer, "cache", None)
-        return cache is not None and cache.device.type == "cuda"
-
-    @property
     def num_sequences(self) -> int:
         return len(self._seqs)
 

@@ -51,9 +51,7 @@ class FeatureDrafter(KVDrafter):
                 f"drafter needs [{new_count}, {c}] (layers {list(self.target_hidden_layers)} "
                 "of the target it was trained for)")
         st = self.state(seq_id)
-        # may be a view of the shared buffer: copied (asynchronously from pinned pages)
-        rows = hidden.to(self.head.device, self.head.dtype, copy=True,
-                         non_blocking=hidden.is_pinned())
+        rows = hidden.to(self.head.device, self.head.dtype, copy=True)   # may be shared
         if new_count == len(tokens):          # from nothing: s_0 has no pair
             self.cache.release(st.pages)
             st.feats = RowBuffer(rows[1:])

@@ -107,14 +107,11 @@ class LocalServer:
         if not self.servicer.engine.info.target_hidden_layers:
             return None
         try:
-            buf = SharedBuffer.create()
+            return SharedBuffer.create()
         except OSError as e:
             log.warning("no shared buffer for hidden states (%s): they travel in the "
                         "messages", e)
             return None
-        if buf is not None and self.servicer.engine.on_gpu:
-            buf.pin()
-        return buf
 
     async def _stream(self, reader: asyncio.StreamReader, conn: _Connection) -> None:
         while True:
@@ -154,10 +151,7 @@ class _Connection:
             self.order.check(msg.step_id)
             if self.shared is not None:
                 self.shared.unlink()          # the verify service has mapped it by now
-            answer = await self.servicer.answer(msg, received, self.shared)
-            if self.shared is not None:
-                self.shared.settle()
-            reply = answer.SerializeToString()
+            reply = (await self.servicer.answer(msg, received, self.shared)).SerializeToString()
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception as e:  # noqa: BLE001 - mapped to an error frame, never swallowed
