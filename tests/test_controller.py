@@ -124,6 +124,25 @@ def test_a_new_draft_is_judged_afresh():
     assert plans[0].depth == 4 and sum(1 for p in plans if p.depth) >= 15
 
 
+def test_a_batch_plain_decode_won_for_is_not_weighed_again(monkeypatch):
+    """Host time: once plain wins for a batch, its next plain steps skip the weighing
+    (the step's own cost at batch 1) until a retry, or until the batch changes."""
+    import verify_service.controller as c
+    ctl = Controller()
+    world = World([0.0] * 8, {0: 1.0, 1: 1.3, 2: 1.35, 4: 1.45})
+    _, plans = world.run(ctl, 40)
+    assert not plans[-1].depth
+    weighed = []
+    monkeypatch.setattr(c, "expected", lambda r: weighed.append(1) or np.zeros(
+        (r.shape[0], r.shape[1] + 1)))
+    ids = list(range(100, 108))
+    for _ in range(3):
+        ctl.observe(ctl.plan(world.info, ids, list(range(8)), 8), ids, [], 8, 1.0)
+    assert not weighed
+    ctl.plan(world.info, ids[:7] + [999], list(range(8)), 8)      # another batch
+    assert weighed
+
+
 def test_modes_always_and_off():
     assert Controller("always").plan(info(), [1, 2], [0, 1], 2).depth == 4
     off = Controller("off").plan(info(), [1, 2], [0, 1], 2)

@@ -43,6 +43,7 @@ PRIOR_RATE, PRIOR_WEIGHT, SEQ_WEIGHT = 0.5, 1.0, 1.0
 UNKNOWN_RATIO = 1.05       # a shape's cost over plain decode's before it is measured
 MAX_RETRY = 256            # the most plain steps between two tries of speculation
 PLAIN_AFTER = 4            # speculating steps at a bucket before plain decode is measured
+MAX_STEPS = 1 << 62
 
 
 class Counts:
@@ -128,6 +129,10 @@ class Controller:
         self._spec_steps: dict[int, int] = {}       # speculating steps measured per bucket
         self.steps = 0
         self._plain_run, self._retry = 0, 16
+        # a batch (bucket, its rows' ids) for which plain decode won: it stands, without
+        # weighing again, until a speculating step, a retry or a resting row's turn
+        self._settled: tuple | None = None
+        self._settled_until = 0
 
     def _draft(self, info: DrafterInfo) -> None:
         if info is not self._info:      # a new handshake (another draft, perhaps): start over
@@ -137,6 +142,7 @@ class Controller:
             self._cost.clear()
             self._spec_steps.clear()
             self._plain_run, self._retry = 0, 16
+            self._settled = None
 
     def plan(self, info: DrafterInfo, seq_ids: list[int], rows: list[int], b: int) -> Plan:
         """The budget for a step of len(seq_ids) sequences (batch bucket b) of which
@@ -148,23 +154,35 @@ class Controller:
         if self.mode == "always":
             return Plan(env.depth, list(rows))
         forced = self._plain_run >= self._retry         # a retry: every row is asked
-        slots = self.seqs.slots([seq_ids[r] for r in rows])
+        ids = tuple(seq_ids[r] for r in rows)
+        n = len(seq_ids)
+        plain = Plan(0, [], list(rows), float(n), self._cost.get((0, b)))
+        if not forced and self._settled == (b, ids) and self.steps < self._settled_until:
+            return plain                # nothing changed since plain won
+        slots = self.seqs.slots(ids)
         due = np.ones(len(rows), bool) if forced else self.seqs.rest_until[slots] <= self.steps
         ask = [r for r, m in zip(rows, due) if m]
         resting = [r for r, m in zip(rows, due) if not m]
+        if not ask:                     # every row rests
+            return self._settle(plain, b, ids, slots, due)
         gain = expected(self.seqs.rates(slots[due], self._prior(), SEQ_WEIGHT)).sum(0)
-        n = len(seq_ids)
-        plain = Plan(0, [], list(rows), float(n), self._cost.get((0, b)))
-        if not ask:
-            return plain
         spec = max((Plan(d, ask, resting, n + gain[d], self._cost.get((d, b)), forced)
                     for d in budget_depths(env)), key=lambda p: p.expected / self._ratio(p.depth, b))
         if forced:
             return spec
-        if spec.expected / self._ratio(spec.depth, b) <= n or (
-                self._spec_steps.get(b, 0) >= PLAIN_AFTER and (0, b) not in self._cost):
-            return plain                # plain wins, or is not yet measured here
+        if spec.expected / self._ratio(spec.depth, b) <= n:
+            return self._settle(plain, b, ids, slots, due)      # plain wins
+        if self._spec_steps.get(b, 0) >= PLAIN_AFTER and (0, b) not in self._cost:
+            return plain                # plain is not yet measured here
         return spec
+
+    def _settle(self, plain: Plan, b: int, ids: tuple, slots: np.ndarray, due: np.ndarray
+                ) -> Plan:
+        """Plain won for this batch: so it stays until a resting row's turn comes."""
+        self._settled = (b, ids)
+        self._settled_until = int(self.seqs.rest_until[slots[~due]].min()) if not due.all() \
+            else MAX_STEPS
+        return plain
 
     def shapes(self, env: TreeEnvelope) -> list[tuple[int, int]]:
         """(tree width, depth) of each budget this controller may choose."""
@@ -194,7 +212,7 @@ class Controller:
         if self.mode != "adaptive" or self.batch is None:
             return
         if plan.depth:
-            self._plain_run = 0
+            self._plain_run, self._settled = 0, None
             self._retry = min(2 * self._retry, MAX_RETRY) if plan.forced else 16
             got = [(r, a) for r, a in zip(plan.rows, accepted) if a >= 0]   # -1: syncing
             if got:
