@@ -118,3 +118,30 @@ def test_a_drafter_going_away_mid_wait_is_disconnected_at_once():
 
     why, waited, ready = asyncio.run(go())
     assert why == "disconnected" and waited < 2.0 and not ready
+
+
+def test_a_catch_up_predicted_late_is_sent_without_waiting():
+    """The draft's catch-up rate is measured on a long prompt's answer; a later request
+    whose catch-up it predicts past half the deadline is sent without waiting (the step
+    decodes plain at once, its row syncing) instead of waiting out the deadline."""
+    def seq(i: int) -> Sequence:
+        return Sequence(GenRequest(prompt_ids=tuple(range(1, 61)) * 20, max_tokens=10),
+                        frozenset(), 2000 + i)
+
+    async def go():
+        server, link = await _linked(ScriptedDrafter({1: 0.3, 2: 0.3}))
+        try:
+            first = await link.propose([seq(0)], {})            # 1200 tokens in ~0.3 s
+            rate = link.catch_up_rate
+            link.deadline_s = 0.5                               # ~0.3 s > 0.25 s: late
+            t0 = time.monotonic()
+            second = await link.propose([seq(1)], {})
+            return first, rate, second, time.monotonic() - t0
+        finally:
+            await link.close()
+            await server.stop(0.2)
+
+    first, rate, second, waited = asyncio.run(go())
+    assert first.trees is not None and 1200 / 0.6 < rate < 1200 / 0.3
+    assert second.trees is None and second.fallback is None and second.syncing == [0]
+    assert waited < 0.15

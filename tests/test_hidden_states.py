@@ -54,11 +54,12 @@ class RecordingDrafter(pb_grpc.DrafterServicer):
                               parents=codec.encode(parents))
 
 
-@pytest.mark.parametrize("rows_a_step,catch_up", [(None, None), (5, None), (None, 8)])
+@pytest.mark.parametrize("rows_a_step,catch_up", [(None, None), (5, None), (None, 1.0)])
 def test_hidden_states_of_committed_tokens_travel_once(target_dir, rows_a_step, catch_up):
     """rows_a_step: cap the hidden states a request carries (DraftSync's byte budget),
-    so the prompt's cross over several steps, which run plain meanwhile; catch_up: a
-    request bringing the draft more tokens than this (the first: 9) is not waited for."""
+    so the prompt's cross over several steps, which run plain meanwhile; catch_up: the
+    draft's catch-up rate (tokens a second) as if measured, so slow that the first
+    request's 9 tokens are predicted past the deadline: it is not waited for."""
     from inproc import greedy_reference
     prompt = [1, 5, 9, 13, 2, 7, 1, 5]
     ref = greedy_reference(target_dir, prompt, 20)
@@ -80,7 +81,7 @@ def test_hidden_states_of_committed_tokens_travel_once(target_dir, rows_a_step, 
         if rows_a_step:
             engine.link.sync.max_hidden_bytes = rows_a_step * len(LAYERS) * 64 * 4
         if catch_up:
-            engine.link.catch_up_tokens = catch_up
+            engine.link.catch_up_rate = catch_up
         async with AsyncTreespecClient(f"127.0.0.1:{vport}") as c:
             out = await c.generate(prompt_ids=prompt, max_tokens=20, ignore_eos=True)
         fallbacks = dict(engine.fallbacks)

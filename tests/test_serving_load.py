@@ -47,12 +47,10 @@ def plain() -> list[list[int]]:
 
 @pytest.mark.parametrize("method", ["ngram", "model", "eagle3", "dflash"])
 def test_32_long_prompts_at_once(method, plain):
-    # CPU forwards over 32k tokens take seconds: the deadline is not what this tests, nor
-    # the prompts' catch-up sent without waiting (test_hidden_states)
+    # CPU forwards over 32k tokens take seconds: the deadline is not what this tests
     extra = ("--target-embeddings", "tiny-code") if method in ("eagle3", "dflash") else ()
     with services.stack("tiny-code", method, DRAFTS[method], draft_args=extra,
                         verify_args=("--metrics-port", "0", "--step-deadline-ms", "120000",
-                                     "--draft-catch-up-tokens", "100000",
                                      "--speculation", "always")
                         ) as (draft, verify):
         spec = asyncio.run(_all(verify.addr, plain=False))

@@ -22,10 +22,6 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
                    help="requests that may wait for a batch slot; more get "
                         "RESOURCE_EXHAUSTED (default 1024)")
     v.add_argument("--step-deadline-ms", type=float, help="wait for a proposal, then plain decode")
-    v.add_argument("--draft-catch-up-tokens", type=int,
-                   help="a step that brings the draft more new tokens than this (new "
-                        "prompts, sequences back from plain decoding) is sent without "
-                        "waiting: it decodes plain while the draft catches up (default 4096)")
     v.add_argument("--reconnect-s", type=float, help="retry period while the draft is down")
     v.add_argument("--draft-socket", choices=["auto", "off"],
                    help="carry draft steps over the draft's local socket when this process "
@@ -58,8 +54,8 @@ def config(args: argparse.Namespace):
     try:
         cfg = VerifyConfig(model=args.model, draft=args.draft, **given(
             args, RUNTIME + ("max_batch", "max_model_len", "prefill_tokens",
-                             "step_deadline_ms", "draft_catch_up_tokens", "reconnect_s",
-                             "draft_socket", "busy_poll", "generation_config", "acceptance", "speculation", "draft_tls_ca",
+                             "step_deadline_ms", "reconnect_s", "draft_socket", "busy_poll",
+                             "generation_config", "acceptance", "speculation", "draft_tls_ca",
                              "draft_tls_cert", "draft_tls_key", "draft_api_key_file",
                              "max_prompt_bytes", "max_waiting")))
     except ValueError as e:

@@ -19,8 +19,6 @@ class VerifyConfig(ServiceConfig):
     max_prompt_bytes: int = 1 << 20   # a text prompt longer than this is refused unread
     max_waiting: int = 1024           # requests queued beyond the batch; more: refused
     step_deadline_ms: float = 100.0   # wait this long for a proposal, then plain decode
-    draft_catch_up_tokens: int = 4096  # a request bringing the draft more new tokens is
-                                       # not waited for: the step decodes plain meanwhile
     reconnect_s: float = 1.0          # retry period while the draft is unreachable
     draft_socket: str = "auto"        # auto: the draft's local socket if reachable; off: gRPC
     generation_config: str = "auto"   # sampling defaults: auto = the checkpoint's
@@ -78,5 +76,3 @@ class VerifyConfig(ServiceConfig):
             raise ValueError(f"busy_poll must be auto, on or off, got {self.busy_poll!r}")
         if self.step_deadline_ms <= 0 or self.reconnect_s <= 0:
             raise ValueError("step_deadline_ms and reconnect_s must be > 0")
-        if self.draft_catch_up_tokens < 1:
-            raise ValueError("--draft-catch-up-tokens must be >= 1")

@@ -38,6 +38,10 @@ from verify_service.sequence import Sequence
 
 log = logging.getLogger("treespec.verify.draft_link")
 
+# a request bringing the draft this many new tokens measures its catch-up rate (a
+# smaller one's answer time is mostly the drafting itself)
+MEASURE_CATCH_UP = 1024
+
 _EXPIRED, _DROPPED = object(), object()     # why a step's wait ended without an answer
 
 
@@ -50,9 +54,8 @@ class DraftLink:
     def __init__(self, addr: str, reconnect_s: float, deadline_s: float, vocab_size: int,
                  num_layers: int, busy_poll: bool = False, local: bool = True,
                  rejection: bool = False, tls: ClientTLS | None = None,
-                 api_key: str | None = None, catch_up_tokens: int = 4096) -> None:
+                 api_key: str | None = None) -> None:
         self.addr = addr
-        self.catch_up_tokens = catch_up_tokens
         self.tls = tls
         self._md = metadata(api_key)
         self.reconnect_s = reconnect_s
@@ -71,6 +74,10 @@ class DraftLink:
         self._task: asyncio.Task | None = None
         self._t_answer = 0
         self._late = 0                       # steps whose answer missed the deadline
+        # new tokens a second the draft takes in, measured on answers to requests that
+        # brought it at least MEASURE_CATCH_UP (None: not yet): predicts late answers
+        self.catch_up_rate: float | None = None
+        self._sent = (0, 0, 0)               # the last request: step id, new tokens, ns
         self._down: str | None = None          # why the draft is unreachable, last logged
         self._closed = False
 
@@ -190,10 +197,10 @@ class DraftLink:
 
     async def _send_only(self, seqs: list[Sequence], out: Outgoing) -> Drafted:
         """A request whose every row is still being synced (its trees would go unused),
-        or that brings the draft more than catch_up_tokens new tokens (its trees would
-        come past the deadline: the draft's prefill of a batch of new prompts): sent
-        without waiting, so the step decodes plain while the draft takes it in (the
-        answer only frees the draft for the next request)."""
+        or whose catch-up the draft is predicted to take past half the deadline (a
+        batch of new prompts, sequences back from a rest: new tokens over the measured
+        catch_up_rate): sent without waiting, so the step decodes plain while the draft
+        takes it in (the answer only frees the draft for the next request)."""
         self._outstanding = out.request.step_id
         try:
             await self._call.write(wire.spec_request_to_pb(out.request, self.sync.shared))
@@ -211,6 +218,11 @@ class DraftLink:
         its resync list is applied."""
         if msg.step_id != self._outstanding:
             return
+        step, new, t_sent = self._sent
+        if step == msg.step_id and new >= MEASURE_CATCH_UP:
+            rate = new / max(1e-6, (time.time_ns() - t_sent) * 1e-9)
+            self.catch_up_rate = rate if self.catch_up_rate is None else \
+                0.5 * (self.catch_up_rate + rate)
         if self._waiter is not None and not self._waiter.done():
             self._t_answer = time.time_ns()
             self._waiter.set_result(msg)
@@ -228,9 +240,13 @@ class DraftLink:
             return Drafted(None, "busy")     # the draft is still on a step that timed out
         out = self.sync.request(seqs, bool(self._info.target_hidden_layers), trace, depth)
         step = out.request.step_id
-        if out.rows and (set(out.rows) <= set(out.syncing) or self.catch_up_tokens < sum(
-                len(u.new_tokens) for u in out.request.seqs)):
-            out.syncing = list(out.rows)    # a big catch-up: its trees would come late
+        new = sum(len(u.new_tokens) for u in out.request.seqs)
+        self._sent = (step, new, time.time_ns())
+        if out.rows and set(out.rows) <= set(out.syncing):
+            return await self._send_only(seqs, out)
+        if (self.catch_up_rate and out.catch_up(self._info.envelope.depth)
+                and new / self.catch_up_rate > self.deadline_s / 2):
+            out.syncing = list(out.rows)    # its trees would come too late to wait for
             return await self._send_only(seqs, out)
         loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()

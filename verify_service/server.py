@@ -60,8 +60,7 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
                      model.spec.vocab_size, model.spec.num_layers, busy,
                      local=cfg.draft_socket != "off",
                      rejection=cfg.acceptance == "rejection",
-                     tls=cfg.draft_tls, api_key=cfg.draft_api_key,
-                     catch_up_tokens=cfg.draft_catch_up_tokens) if cfg.draft else None
+                     tls=cfg.draft_tls, api_key=cfg.draft_api_key) if cfg.draft else None
     observer, metrics = build_observer(cfg, tracer_provider)
     gen = path / "generation_config.json"
     defaults = checkpoint_defaults(json.loads(gen.read_text())) \
