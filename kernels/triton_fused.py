@@ -154,7 +154,8 @@ def qk_norm_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor | None,
         inv_freq.contiguous(), k_cache, v_cache, slots, q,
         qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), eps, HQ=num_heads, HKV=num_kv_heads, D=d,
-        NORM=bool(norms), num_warps=1 if d <= 64 else 2, **launch_options(_qk_norm_rope_kernel, qkv.device))
+        NORM=bool(norms), num_warps=1 if d <= 64 else 2,
+        **launch_options(_qk_norm_rope_kernel, qkv.device))
     return q
 
 
