@@ -6,6 +6,7 @@
 #   bash bench/device_session.sh run       # on the device (run with carry [".whl"]):
 #                                          #   GPU tests, the benchmark, the step profile -> $OUT
 #   STEPS="gemv profile" BENCH_ARGS="--batches 1" bash bench/device_session.sh run   # a subset
+#   (each step takes its own *_ARGS: DRAFTERS_ARGS, DSTEP_ARGS, GEMV_ARGS, PROFILE_ARGS, ...)
 #
 # The image has torch, transformers, triton, grpcio, protobuf and uvloop; it lacks
 # grpcio's health/reflection packages, OpenTelemetry and prometheus-client, all pure
@@ -53,7 +54,7 @@ run)
                    >>"$log" 2>&1 ;;
         sampled) timeout "${SAMPLED_S:-90}" python3 bench/sampled_step.py \
                      --out "$OUT/sampled_step.json" >>"$log" 2>&1 ;;
-        profile) timeout "${PROFILE_S:-120}" python3 bench/profile_step.py --out "$OUT" \
+        profile) timeout "${PROFILE_S:-120}" python3 bench/profile_step.py --out "$OUT" ${PROFILE_ARGS:-} \
                      >>"$log" 2>&1 ;;
         attention) timeout "${ATTN_S:-150}" python3 bench/attention_probe.py \
                        --out "$OUT/attention_probe.json" >>"$log" 2>&1 ;;
