@@ -54,7 +54,7 @@ run)
                    >>"$log" 2>&1 ;;
         sampled) timeout "${SAMPLED_S:-90}" python3 bench/sampled_step.py \
                      --out "$OUT/sampled_step.json" >>"$log" 2>&1 ;;
-        profile) timeout "${PROFILE_S:-120}" python3 bench/profile_step.py --out "$OUT" ${PROFILE_ARGS:-} \
+        profile) timeout "${PROFILE_S:-200}" python3 bench/profile_step.py --out "$OUT" ${PROFILE_ARGS:-} \
                      >>"$log" 2>&1 ;;
         attention) timeout "${ATTN_S:-150}" python3 bench/attention_probe.py \
                        --out "$OUT/attention_probe.json" >>"$log" 2>&1 ;;
