@@ -113,10 +113,3 @@ def padded_chain_batch(tokens: torch.Tensor, count: torch.Tensor, context_lens: 
     parents = torch.where(live, (i - 1).unsqueeze(0), torch.full_like(live, -2, dtype=torch.long))
     return device_forward_batch(tokens, parents.to(torch.int32), i, context_lens, block_tables,
                                 block_size)
-
-
-def page_table(seqs: list[SeqPages], device: torch.device, fill: int = 0) -> torch.Tensor:
-    """[B, max pages] int32 page tables, padded with `fill`."""
-    width = max(len(s.pages) for s in seqs)
-    rows = [s.pages + [fill] * (width - len(s.pages)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.int32, device=device)

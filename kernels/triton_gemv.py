@@ -111,9 +111,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, r_ptr, nw_ptr, tot_ptr, M, N, K, s_xm, s
 
 
 # (BN, BK, num_warps, num_stages) by (output columns, K, fused SwiGLU, row class): the
-# fastest of bench/gemv_probe.py's sweep on an H200 at the Qwen3-8B projections (the same tiles
-# won at 1, 5 and 16 rows, bench/NOTES.md); the default was within 6 % of the best
-# at every one of them.
+# fastest of bench/gemv_probe.py's sweep on an H200 at the Qwen3-8B projections (the
+# same tiles won at 1, 5 and 16 rows, bench/NOTES.md); the default was within 6 % of
+# the best at every one of them.
 DEFAULT_CONFIG = (32, 256, 4, 4)
 CONFIGS: dict[tuple[int, int, bool, int], tuple[int, int, int, int]] = {
     (6144, 4096, False, 16): (64, 256, 4, 4),       # qkv
