@@ -31,7 +31,7 @@ import torch
 from common.forward_batch import device_forward_batch, padded_chain_batch
 from common.kv_cache import PagedKVCache
 from common.model_paths import resolve_model
-from common.tree import TreeEnvelope
+from common.tree import TreeEnvelope, shallower
 from draft_service.dflash_head import DFlashHead
 from draft_service.feature_drafter import FeatureDrafter, FeatureSeq
 from draft_service.model_step import scores
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 class DFlashProposer(FeatureDrafter):
     name = "dflash"
+    levels = True           # a shallower tree: the LM head on that many block positions
 
     def __init__(self, head: DFlashHead, env: TreeEnvelope, ops: ModuleType,
                  num_blocks: int, block_size: int, model_name: str = "") -> None:
@@ -83,8 +84,10 @@ class DFlashProposer(FeatureDrafter):
                  table: torch.Tensor, feats: torch.Tensor,
                  sampling: list[torch.Tensor] | None = None, depth: int = 0
                  ) -> tuple[torch.Tensor, ...]:
-        """depth: unused (one forward drafts the whole block)."""
-        return dflash_step(self.head, self.cache, self.ops, self.env, self._parents,
+        """depth: the verify's (0: the envelope's): the block's forward is the same,
+        the LM head and the tree take only positions 1 .. depth."""
+        return dflash_step(self.head, self.cache, self.ops,
+                           shallower(self.env, depth or self.env.depth), self._parents,
                            self._depths, tokens, count, ctx0, table, feats, sampling)
 
 

@@ -16,7 +16,8 @@ units have draft KV. One step over the batch:
    rerank, all on the device. In steady state a row brings the accepted path and
    the bonus token, at most depth + 1 units, so a step is one replay. When the
    verify will take a shallower tree (the request's max_depth), a ``levels``
-   drafter replays a graph that expands only that many levels.
+   drafter replays a graph made for that depth (the draft model and EAGLE-3 expand
+   only that many levels; DFlash takes the LM head on that many block positions).
 
 A batch with a sampling row drafts it with the request's seeded noise
 (common.sampling.draft_scores through tree_build.Expansion). The graphs:
@@ -80,7 +81,7 @@ class KVDrafter:
 
     light = False
     needs_model = True
-    levels = False          # drafts level by level: a shallower tree costs fewer forwards
+    levels = False          # a shallower tree costs less: fewer forwards, or LM-head rows
 
     def __init__(self, cache: PagedKVCache, env: TreeEnvelope, ops: ModuleType,
                  model_name: str, extras: list[Extra]) -> None:

@@ -141,6 +141,21 @@ def test_trees_choose_among_each_positions_best(dflash_dir, target4):
     assert int(tokens[0, 0]) == int(top[0, 0])          # best first: the argmax chain
 
 
+def test_a_shallower_budget_takes_the_first_positions(dflash_dir, target4):
+    """Asked for depth 3 of block8 (the verify's budget), the block drafts the same
+    first three positions and nothing deeper; the whole block again afterwards."""
+    from common.tree import PAD
+    prop = _proposer(dflash_dir, target4, "block8")
+    toks = torch.randint(0, 95, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    f = _features(target4, toks)
+    prop.update(1, toks, len(toks), [], torch.cat([torch.zeros(1, f.shape[1]), f])[:len(toks)])
+    whole = tp(prop.propose([1]))
+    t, par = tp(prop.propose([1], depth=3))
+    assert t[0, :3].tolist() == whole[0][0, :3].tolist() and t.shape == whole[0].shape
+    assert par[0].tolist() == [-1, 0, 1] + [PAD] * (BLOCK - 4)
+    assert tp(prop.propose([1]))[0].tolist() == whole[0].tolist()
+
+
 def test_bad_checkpoints_and_flags_are_named(dflash_dir, target4, tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match="drafts 7 positions"):
         _proposer(dflash_dir, target4, "block16")
