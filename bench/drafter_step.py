@@ -106,7 +106,7 @@ def host_ops(step, steps: int = 5, top: int = 15) -> dict:
 
 
 def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile: bool,
-        g: torch.Generator) -> dict:
+        g: torch.Generator, depth: int = 0) -> dict:
     vocab = prop.vocab_size
     feat = getattr(prop, "feature_size", 0)
     ids = list(range(10_000 * (b + 1), 10_000 * (b + 1) + b))
@@ -119,7 +119,7 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
         prop.update(s, toks[s], ctx, [], hidden(ctx))
     samp = [RowSampling(SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=s),
                         rejection=True) for s in ids] if sampled else None
-    prop.propose(ids, samp)                    # the prompts' catch-up (eager prefill)
+    prop.propose(ids, samp, depth)                    # the prompts' catch-up (eager prefill)
     acc: dict = defaultdict(float)
     inner = prop.graphs
     wrap(prop, acc)
@@ -133,7 +133,7 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
                 acc.clear()
             sync()
             t0 = time.perf_counter()
-            prop.propose(ids, samp)
+            prop.propose(ids, samp, depth)
             sync()
             if i >= 3:
                 walls.append(1000 * (time.perf_counter() - t0))
@@ -147,9 +147,10 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
             for s in ids:
                 toks[s] += torch.randint(0, vocab, (4,), generator=g).tolist()
                 prop.update(s, toks[s], 4, [], hidden(4))
-            prop.propose(ids, samp)
+            prop.propose(ids, samp, depth)
         acc["host_ops"] = host_ops(step)
-    family = ("step-sampled", filter_width([r.params for r in samp])) if sampled else "step"
+    family = (("step-sampled", filter_width([r.params for r in samp])) if sampled
+              else ("step", depth) if depth else "step")
     key = min((k for k in inner.buckets.graphs if k[0] == family and k[1] >= b),
               key=lambda k: (k[1], -k[2]), default=None)
     graph = inner.buckets.graphs[key] if key else None
@@ -173,6 +174,8 @@ def main() -> None:
     ap.add_argument("--methods", default="model,eagle3")
     ap.add_argument("--envelopes", default="chain4,tree-small")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--depth", type=int, default=0,
+                    help="the verify's budget depth for greedy steps (0: the envelope's)")
     a = ap.parse_args()
     a.max_tokens = a.steps * 4 + 16
     work = Path(a.work)
@@ -194,7 +197,7 @@ def main() -> None:
                     key = f"{method}:{envelope}:b{b}:{'sampled' if sampled else 'greedy'}"
                     try:
                         res["rows"][key] = run(prop, method, b, a.ctx, a.steps, sampled,
-                                               b in (1, 32), g)
+                                               b in (1, 32), g, a.depth)
                     except Exception as e:      # one failure must not cost the rest
                         res["rows"][key] = {"error": f"{type(e).__name__}: {e}"}
                     print(key, json.dumps(res["rows"][key]), flush=True)
