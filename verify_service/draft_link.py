@@ -164,7 +164,7 @@ class DraftLink:
         self._call = await self._open_local(info_pb) or stub.Speculate(metadata=self._md)
         self.carrier = "unix socket" if isinstance(self._call, frames.FrameStream) else "grpc"
         self.sync.reset(self._attach_shared(info))
-        self._down = None
+        self.catch_up_rate, self._down = None, None     # another draft: measured afresh
         log.info("draft %s connected: %s, envelope %s, steps by %s%s", self.addr,
                  info.proposer, info.envelope, self.carrier,
                  ", hidden states through shared memory" if self.sync.shared else "")
