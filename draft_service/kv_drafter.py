@@ -134,7 +134,8 @@ class KVDrafter:
         """Device work owed before this step's forwards (the draft model's KV moves)."""
 
     def _drafted(self, seqs: list[DraftSeq], out: tuple[torch.Tensor, ...]) -> None:
-        """Remember what was drafted (the draft model: for its rollback)."""
+        """Remember what was drafted (the draft model: for its rollback). out: the
+        step's outputs, the first three (tokens, parents, the subclass's) on the host."""
 
     def _forget(self, st: DraftSeq) -> None:
         """st's KV was dropped: forget whatever refers to it."""
@@ -222,10 +223,12 @@ class KVDrafter:
                                                 value=f) for x, f in zip(out, fills))
         for st, u in zip(seqs, units):
             st.pages.kv_len = u
+        rejection = sampling is not None and any(r and r.rejection for r in sampling)
+        out = tuple(x.cpu() if i < 3 or rejection else x for i, x in enumerate(out))
         self._drafted(seqs, out)
-        trees = TreeBatch(out[0].cpu(), out[1].cpu())
-        if sampling is not None and any(r and r.rejection for r in sampling):
-            trees.q_ids, trees.q_probs = out[-2].cpu(), out[-1].cpu()
+        trees = TreeBatch(out[0], out[1])
+        if rejection:
+            trees.q_ids, trees.q_probs = out[-2], out[-1]
         return trees
 
     def warm_up(self, lengths: tuple[int, ...] = (8, 200, 1100), batch: int = 8) -> float:
