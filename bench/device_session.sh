@@ -6,7 +6,8 @@
 #   bash bench/device_session.sh run       # on the device (run with carry [".whl"]):
 #                                          #   GPU tests, the benchmark, the step profile -> $OUT
 #   STEPS="gemv profile" BENCH_ARGS="--batches 1" bash bench/device_session.sh run   # a subset
-#   (each step takes its own *_ARGS: DRAFTERS_ARGS, DSTEP_ARGS, GEMV_ARGS, PROFILE_ARGS, ...)
+#   (each step takes its own *_ARGS: DRAFTERS_ARGS, DSTEP_ARGS, GEMV_ARGS, PROFILE_ARGS,
+#   ATTN_ARGS, ...)
 #
 # The image has torch, transformers, triton, grpcio, protobuf and uvloop; it lacks
 # grpcio's health/reflection packages, OpenTelemetry and prometheus-client, all pure
@@ -56,7 +57,7 @@ run)
                      --out "$OUT/sampled_step.json" >>"$log" 2>&1 ;;
         profile) timeout "${PROFILE_S:-200}" python3 bench/profile_step.py --out "$OUT" ${PROFILE_ARGS:-} \
                      >>"$log" 2>&1 ;;
-        attention) timeout "${ATTN_S:-150}" python3 bench/attention_probe.py \
+        attention) timeout "${ATTN_S:-150}" python3 bench/attention_probe.py ${ATTN_ARGS:-} \
                        --out "$OUT/attention_probe.json" >>"$log" 2>&1 ;;
         accept) timeout "${ACCEPT_S:-120}" python3 -m common.cli bench-accept --device cuda --files 4 \
                     --prompt-tokens 128 --max-tokens 48 --envelopes chain4,tree-small \
