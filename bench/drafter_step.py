@@ -119,6 +119,11 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
         prop.update(s, toks[s], ctx, [], hidden(ctx))
     samp = [RowSampling(SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=s),
                         rejection=True) for s in ids] if sampled else None
+
+    def advance() -> None:          # 4 new committed units a row (3 accepted + a bonus)
+        for s in ids:
+            toks[s] += torch.randint(0, vocab, (4,), generator=g).tolist()
+            prop.update(s, toks[s], 4, [], hidden(4))
     prop.propose(ids, samp, depth)                    # the prompts' catch-up (eager prefill)
     acc: dict = defaultdict(float)
     inner = prop.graphs
@@ -126,9 +131,7 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
     walls = []
     try:
         for i in range(steps + 3):
-            for s in ids:
-                toks[s] += torch.randint(0, vocab, (4,), generator=g).tolist()
-                prop.update(s, toks[s], 4, [], hidden(4))
+            advance()
             if i == 3:
                 acc.clear()
             sync()
@@ -143,12 +146,7 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
             prop.__dict__.pop(name, None)
     if profile and not sampled:     # the same steps again, under the profiler
 
-        def step():
-            for s in ids:
-                toks[s] += torch.randint(0, vocab, (4,), generator=g).tolist()
-                prop.update(s, toks[s], 4, [], hidden(4))
-            prop.propose(ids, samp, depth)
-        acc["host_ops"] = host_ops(step)
+        acc["host_ops"] = host_ops(lambda: (advance(), prop.propose(ids, samp, depth)))
     family = (("step-sampled", filter_width([r.params for r in samp])) if sampled
               else ("step", depth) if depth else "step")
     key = min((k for k in inner.buckets.graphs if k[0] == family and k[1] >= b),

@@ -16,6 +16,7 @@ explains the gap between bench/h200.py's plain step and its floor.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -35,6 +36,7 @@ from common.model_config import Qwen3Spec  # noqa: E402
 from common.qwen3 import Qwen3Model  # noqa: E402
 from kernels import reference  # noqa: E402
 from kernels.dispatch import KERNEL_NAMES, select  # noqa: E402
+from kernels.triton_backend import norm_then_linear  # noqa: E402
 from kernels.triton_common import set_pdl  # noqa: E402
 from verify_service.verifier import Verifier  # noqa: E402
 
@@ -104,10 +106,7 @@ def tree_profile(ver: Verifier, pages: list[SeqPages], roots: list[int], ctx: in
 def unfused(ops):
     """add_rms_norm_linear as the norm kernel, then the product (what the Triton
     backend fuses into the GEMV's first pass): the side-by-side that keeps it."""
-    def add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None, silu=False):
-        h, total = ops.add_rms_norm(x, residual, norm_weight, eps)
-        return (ops.linear_silu_mul(h, weight) if silu else ops.linear(h, weight, bias)), total
-    return add_rms_norm_linear
+    return functools.partial(norm_then_linear, ops)
 
 
 def main() -> None:

@@ -4,6 +4,8 @@ module beside its launcher; this module only gathers them."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from kernels import reference, triton_gemv, triton_rejection
@@ -49,8 +51,17 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
     if _skinny(x, weight, silu, bias) and (
             residual is None or residual.dtype == x.dtype and residual.stride(1) == 1):
         return triton_gemv.add_rms_norm_linear(x, residual, norm_weight, eps, weight, silu)
-    h, total = add_rms_norm(x, residual, norm_weight, eps)
-    return (linear_silu_mul(h, weight) if silu else linear(h, weight, bias)), total
+    return norm_then_linear(sys.modules[__name__], x, residual, norm_weight, eps, weight, bias,
+                            silu)
+
+
+def norm_then_linear(ops, x: torch.Tensor, residual: torch.Tensor | None,
+                     norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                     bias: torch.Tensor | None = None, silu: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm_linear as two of ops' calls: the norm kernel, then the product."""
+    h, total = ops.add_rms_norm(x, residual, norm_weight, eps)
+    return (ops.linear_silu_mul(h, weight) if silu else ops.linear(h, weight, bias)), total
 
 
 def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
