@@ -1,9 +1,7 @@
 """Where a plain decode step's time goes, on the GPU: wall step vs graph replay, for
-four variants of the same step (cuBLAS linears; the Triton GEMVs; the Triton GEMVs
-with programmatic dependent launch; the same with each layer norm as a kernel of its
-own instead of the GEMV's first pass), the kernels inside it, and each projection's
-cuBLAS GEMV against the copy bandwidth. `--shape qwen3-0.6b` times the draft model's
-layers.
+three variants of the same step (cuBLAS linears; the Triton GEMVs; the Triton GEMVs
+with programmatic dependent launch), the kernels inside it, and each projection's
+cuBLAS GEMV against the copy bandwidth.
 
     python bench/profile_step.py --out DIR [--shape qwen3-8b] [--ctx 1024]
 
@@ -16,7 +14,6 @@ explains the gap between bench/h200.py's plain step and its floor.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
@@ -36,7 +33,6 @@ from common.model_config import Qwen3Spec  # noqa: E402
 from common.qwen3 import Qwen3Model  # noqa: E402
 from kernels import reference  # noqa: E402
 from kernels.dispatch import KERNEL_NAMES, select  # noqa: E402
-from kernels.triton_backend import norm_then_linear  # noqa: E402
 from kernels.triton_common import set_pdl  # noqa: E402
 from verify_service.verifier import Verifier  # noqa: E402
 
@@ -103,12 +99,6 @@ def tree_profile(ver: Verifier, pages: list[SeqPages], roots: list[int], ctx: in
     return out
 
 
-def unfused(ops):
-    """add_rms_norm_linear as the norm kernel, then the product (what the Triton
-    backend fuses into the GEMV's first pass): the side-by-side that keeps it."""
-    return functools.partial(norm_then_linear, ops)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -136,11 +126,8 @@ def main() -> None:
     cublas_ops = SimpleNamespace(**{n: getattr(triton_ops, n) for n in KERNEL_NAMES})
     cublas_ops.linear, cublas_ops.linear_silu_mul = (
         reference.linear, lambda x, w: triton_ops.silu_mul(reference.linear(x, w)))
-    cublas_ops.add_rms_norm_linear = unfused(cublas_ops)
-    two_kernels = SimpleNamespace(**{n: getattr(triton_ops, n) for n in KERNEL_NAMES})
-    two_kernels.add_rms_norm_linear = unfused(triton_ops)
     variants = {"cublas": (cublas_ops, False), "gemv": (triton_ops, False),
-                "gemv_pdl": (triton_ops, True), "gemv_pdl_norm_apart": (two_kernels, True)}
+                "gemv_pdl": (triton_ops, True)}
     chain = torch.randint(0, model.spec.vocab_size, (1, 4), dtype=torch.int32)
     parents = torch.arange(-1, 3, dtype=torch.int32).unsqueeze(0)
     res["variants"] = {}
@@ -163,7 +150,7 @@ def main() -> None:
             row[f"replay_ms_{n}"] = replay_ms(g.graph)
         res["variants"][label] = row
         print(label, row, flush=True)
-        if label in ("gemv", "gemv_pdl"):   # kernel times without PDL: with it, a kernel's time
+        if label != "cublas":   # kernel times without PDL: with it, a kernel's time
             # includes waiting on its predecessor, so only the replay total is meaningful
             row["trees"] = tree_profile(ver, pages, roots, a.ctx,
                                         [int(n) for n in a.nodes.split(",")],

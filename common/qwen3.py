@@ -47,17 +47,16 @@ class Qwen3Layer(nn.Module):
         """x: the previous layer's output (or the embeddings), residual: the stream
         before it (None at layer 0). Returns (this layer's MLP output, residual)."""
         s, eps = self.spec, self.spec.rms_norm_eps
-        qkv, residual = ops.add_rms_norm_linear(x, residual, self.input_norm, eps,
-                                                self.qkv.weight, self.qkv.bias)
+        h, residual = ops.add_rms_norm(x, residual, self.input_norm, eps)
+        qkv = ops.linear(h, self.qkv.weight, self.qkv.bias)
         q = ops.qk_norm_rope_write(qkv, self.q_norm, self.k_norm, fb.positions, inv_freq,
                                    k_cache, v_cache, fb.slots, s.num_heads, s.num_kv_heads, eps)
         attn = ops.paged_tree_attention(q, k_cache, v_cache, fb.block_tables, fb.context_lens,
                                         fb.cu_q, fb.chunk_parents, s.head_dim ** -0.5,
                                         fb.ancestors)
-        mlp, residual = ops.add_rms_norm_linear(
-            ops.linear(attn.reshape(x.shape[0], self.q_size), self.o_proj.weight), residual,
-            self.post_norm, eps, self.gate_up.weight, silu=True)
-        return ops.linear(mlp, self.down.weight), residual
+        h, residual = ops.add_rms_norm(ops.linear(attn.reshape(x.shape[0], self.q_size),
+                                                  self.o_proj.weight), residual, self.post_norm, eps)
+        return ops.linear(ops.linear_silu_mul(h, self.gate_up.weight), self.down.weight), residual
 
 
 def layer_tensors(take, src: str, dst: str, bias: bool = False) -> dict[str, torch.Tensor]:

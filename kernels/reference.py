@@ -326,14 +326,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """silu_mul(linear(x, gate_up)): x [T, K], gate_up [2I, K] -> [T, I]."""
     return silu_mul(linear(x, gate_up))
-
-
-def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
-                        norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                        bias: torch.Tensor | None = None, silu: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decoder layer's norm and the projection after it: (linear (then silu_mul, when
-    silu: weight is gate_up) of add_rms_norm(x, residual)'s normed rows, the new
-    residual x + residual)."""
-    h, total = add_rms_norm(x, residual, norm_weight, eps)
-    return (linear_silu_mul(h, weight) if silu else linear(h, weight, bias)), total

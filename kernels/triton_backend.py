@@ -4,8 +4,6 @@ module beside its launcher; this module only gathers them."""
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from kernels import reference, triton_gemv, triton_rejection
@@ -42,28 +40,6 @@ def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul(reference.linear(x, gate_up))
 
 
-def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
-                        norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                        bias: torch.Tensor | None = None, silu: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See kernels.reference.add_rms_norm_linear: one kernel for a skinny product (the
-    GEMV with the norm as its first pass), else the norm kernel and the product."""
-    if _skinny(x, weight, silu, bias) and (
-            residual is None or residual.dtype == x.dtype and residual.stride(1) == 1):
-        return triton_gemv.add_rms_norm_linear(x, residual, norm_weight, eps, weight, silu)
-    return norm_then_linear(sys.modules[__name__], x, residual, norm_weight, eps, weight, bias,
-                            silu)
-
-
-def norm_then_linear(ops, x: torch.Tensor, residual: torch.Tensor | None,
-                     norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                     bias: torch.Tensor | None = None, silu: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_rms_norm_linear as two of ops' calls: the norm kernel, then the product."""
-    h, total = ops.add_rms_norm(x, residual, norm_weight, eps)
-    return (ops.linear_silu_mul(h, weight) if silu else ops.linear(h, weight, bias)), total
-
-
 def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor,
                          cu_q: torch.Tensor, chunk_parents: torch.Tensor,
@@ -88,4 +64,4 @@ def rejection_walk(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Ten
 __all__ = ["write_kv", "paged_tree_attention", "tree_ancestors", "accept_greedy",
            "rejection_walk", "compact_kv",
            "rms_norm", "add_rms_norm", "qk_norm_rope_write", "silu_mul", "linear",
-           "linear_silu_mul", "add_rms_norm_linear"]
+           "linear_silu_mul"]

@@ -15,10 +15,6 @@ plus separate small kernels pays extra launches. Here:
   [I+n, I+n+BN) of the fused gate_up weight in the same program and writes
   silu(gate) * up, with the same roundings as ``kernels.reference.silu_mul``
   applied to a bf16 gate_up (so it equals ``silu_mul(linear(x, W))``).
-* ``add_rms_norm_linear`` takes the layer's residual add and RMSNorm in too: each
-  program first sums each row's squares over x + residual (a pass over [M, K] that
-  L2 serves), then normalises every x tile as it loads it; program 0 writes the new
-  residual. One kernel instead of a norm kernel and a GEMV.
 
 Tile sizes come from ``pick_config`` (measured on an H200 by bench/gemv_probe.py)
 and depend on (N, K) and the row class only. Past 16 rows a product goes to the
@@ -33,28 +29,16 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import (FLOAT_DTYPES, check_devices, check_dtype, check_shape,
-                                   launch_options, pdl_enter, vsum)
+                                   launch_options, pdl_enter)
 
 MAX_ROWS = 128
 ROW_CLASSES = (16, 32, 64, 128)
 
 
 @triton.jit
-def _input_tile(x_ptr, r_ptr, rm, kk, mask, s_xm, s_rm, HAS_RES: tl.constexpr):
-    """Rows rm, columns kk of x (+ the residual, added in fp32 and rounded once)."""
-    x = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :], mask=mask, other=0.0)
-    if HAS_RES:
-        r = tl.load(r_ptr + rm[:, None] * s_rm + kk[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    return x
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, r_ptr, nw_ptr, tot_ptr, M, N, K, s_xm, s_wn, s_om,
-                 s_rm, s_tm, UP_OFF, eps,
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, UP_OFF,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SILU: tl.constexpr,
-                 NORM: tl.constexpr, HAS_RES: tl.constexpr, DOT_F32: tl.constexpr,
-                 PDL: tl.constexpr):
+                 DOT_F32: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     pid = tl.program_id(0)
     rn = pid * BN + tl.arange(0, BN)
@@ -65,26 +49,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, r_ptr, nw_ptr, tot_ptr, M, N, K, s_xm, s
     acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
     acc_u = tl.full((BM, BN), 0.0, dtype=tl.float32)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * s_wn
-    if NORM:        # a first pass over x (+ residual) for each row's RMS; program 0
-        ss = tl.full((BM,), 0.0, dtype=tl.float32)      # writes the new residual
-        for k0 in range(0, K, BK):
-            kk = k0 + rk
-            xmask = mmask[:, None] & (kk < K)[None, :]
-            x = _input_tile(x_ptr, r_ptr, rm, kk, xmask, s_xm, s_rm, HAS_RES)
-            if HAS_RES:
-                if pid == 0:
-                    tl.store(tot_ptr + rm[:, None] * s_tm + kk[None, :], x, mask=xmask)
-            xf = x.to(tl.float32)
-            ss += vsum(xf * xf, 1)
-        inv = 1.0 / tl.sqrt(ss / K + eps)
     for k0 in range(0, K, BK):
         kk = k0 + rk
         kmask = kk < K
-        x = _input_tile(x_ptr, r_ptr, rm, kk, mmask[:, None] & kmask[None, :], s_xm, s_rm,
-                        HAS_RES)
-        if NORM:    # add_rms_norm's roundings: the sum, then the normed row
-            nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) * inv[:, None] * nw[None, :]).to(x.dtype)
+        x = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :],
+                    mask=mmask[:, None] & kmask[None, :], other=0.0)
         wmask = nmask[:, None] & kmask[None, :]
         w = tl.load(w_rows + kk[None, :], mask=wmask, other=0.0)
         if DOT_F32:     # the interpreter's tl.dot mishandles bf16
@@ -111,9 +80,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, r_ptr, nw_ptr, tot_ptr, M, N, K, s_xm, s
 
 
 # (BN, BK, num_warps, num_stages) by (output columns, K, fused SwiGLU, row class): the
-# fastest of bench/gemv_probe.py's sweep on an H200 at the Qwen3-8B projections (the
-# same tiles won at 1, 5 and 16 rows, bench/NOTES.md); the default was within 6 % of
-# the best at every one of them.
+# fastest of bench/gemv_probe.py's sweep on an H200 at the Qwen3-8B projections (the same tiles
+# won at 1, 5 and 16 rows, bench/NOTES.md); the default was within 6 % of the best
+# at every one of them.
 DEFAULT_CONFIG = (32, 256, 4, 4)
 CONFIGS: dict[tuple[int, int, bool, int], tuple[int, int, int, int]] = {
     (6144, 4096, False, 16): (64, 256, 4, 4),       # qkv
@@ -145,11 +114,7 @@ def pick_config(n: int, k: int, silu: bool, bm: int = 16) -> tuple[int, int, int
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, silu: bool,
-            config: tuple[int, int, int, int] | None, where: str,
-            norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, the new residual: x + residual, or x) for norm = (residual, norm weight,
-    eps); out alone and x without norm."""
+            config: tuple[int, int, int, int] | None, where: str) -> torch.Tensor:
     check_devices(_gemv_kernel, where, x=x, weight=w)
     check_dtype(where, "x", x, FLOAT_DTYPES)
     check_shape(where, "x", x, (None, None))
@@ -161,34 +126,23 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, silu: bool,
         raise ValueError(f"{where}: at most {MAX_ROWS} rows, got {m}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError(f"{where}: x and weight rows must be contiguous")
-    residual, nw, eps = norm if norm is not None else (None, x, 0.0)
-    if norm is not None:
-        check_shape(where, "norm weight", nw, (k,))
-        if residual is not None:
-            check_shape(where, "residual", residual, (m, k))
-            if residual.dtype != x.dtype or residual.stride(1) != 1:
-                raise ValueError(f"{where}: residual must be contiguous rows of x's dtype")
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    total = x if residual is None else torch.empty_like(x)
     if m == 0:
-        return out, total
+        return out
     bm = row_class(m)
     bn, bk, warps, stages = config or pick_config(n_out, k, silu, bm)
     interp = x.device.type != "cuda"
-    r = residual if residual is not None else x
     _gemv_kernel[(triton.cdiv(n_out, bn),)](
-        x, w, out, r, nw, total, m, n_out, k, x.stride(0), w.stride(0), out.stride(0),
-        r.stride(0), total.stride(0), n_out if silu else 0, eps,
-        BM=bm, BN=bn, BK=bk, SILU=silu, NORM=norm is not None, HAS_RES=residual is not None,
-        DOT_F32=interp or x.dtype == torch.float32,
+        x, w, out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), n_out if silu else 0,
+        BM=bm, BN=bn, BK=bk, SILU=silu, DOT_F32=interp or x.dtype == torch.float32,
         num_warps=warps, num_stages=stages, **launch_options(_gemv_kernel, x.device))
-    return out, total
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [M <= 128, K] @ weight[N, K].T -> [M, N] in x's dtype."""
-    return _launch(x, weight, weight.shape[0], False, config, "linear")[0]
+    return _launch(x, weight, weight.shape[0], False, config, "linear")
 
 
 def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor,
@@ -196,18 +150,4 @@ def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor,
     """silu_mul(linear(x, gate_up)): x [M <= 128, K], gate_up [2I, K] -> [M, I]."""
     if gate_up.dim() != 2 or gate_up.shape[0] % 2:
         raise ValueError(f"linear_silu_mul: gate_up must be [2I, K], got {tuple(gate_up.shape)}")
-    return _launch(x, gate_up, gate_up.shape[0] // 2, True, config, "linear_silu_mul")[0]
-
-
-def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
-                        norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                        silu: bool = False, config: tuple[int, int, int, int] | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels.reference.add_rms_norm_linear in one kernel: every program takes each
-    row's RMS over x + residual in a first pass, then multiplies the normed rows."""
-    if silu and (weight.dim() != 2 or weight.shape[0] % 2):
-        raise ValueError(f"add_rms_norm_linear: gate_up must be [2I, K], got "
-                         f"{tuple(weight.shape)}")
-    n = weight.shape[0] // 2 if silu else weight.shape[0]
-    return _launch(x, weight, n, silu, config, "add_rms_norm_linear",
-                   (residual, norm_weight, eps))
+    return _launch(x, gate_up, gate_up.shape[0] // 2, True, config, "linear_silu_mul")
