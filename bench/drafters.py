@@ -84,8 +84,12 @@ def row(r: dict, ids: list[list[int]], plain: dict, before: dict, after: dict) -
 
 
 def pages(a: argparse.Namespace) -> int:
-    """KV pages (both services) for the largest batch's sequences, 16 tokens a page."""
-    return max(4096, max(int(b) for b in a.batches.split(",")) * (a.ctx + a.max_tokens + 80) // 16)
+    """KV pages (both services) for the largest batch's sequences: what the verify reserves
+    for one while no draft is connected (prompt, new tokens, 64 tree nodes and a root,
+    16 tokens a page) and its scratch page; one page short, a sequence waits a whole
+    generation (the b64 plain rows before the sixteenth session)."""
+    per = -(-(a.ctx + a.max_tokens + 65) // 16)
+    return max(4096, max(int(b) for b in a.batches.split(",")) * per + 1)
 
 
 def checkpoints(a: argparse.Namespace, work: Path) -> None:

@@ -122,3 +122,20 @@ def test_hidden_buffer_appends_in_amortized_place():
         first = torch.cat([first, rows])
         assert torch.equal(buf.rows, first)
     assert sum(grown) <= 6, "the buffer should double, not copy every step"
+
+
+def test_hidden_rows_wait_as_views_until_read():
+    """A step appends to every sequence; nobody reads while the controller runs plain,
+    so appends must not copy (the b32 plain steps of EAGLE-3 and DFlash paid ~0.8 ms
+    for a copy per row), and must land exactly once read or FLUSH_AT of them wait."""
+    from common import row_buffer
+    buf = row_buffer.RowBuffer(torch.zeros(2, 3))
+    parts = [torch.full((1 + i % 2, 3), float(i)) for i in range(row_buffer.FLUSH_AT - 1)]
+    for p in parts:
+        buf.append(p)
+    assert buf._landed == 2 and not buf._owned, "appends copied before anyone read them"
+    assert torch.equal(buf.rows, torch.cat([torch.zeros(2, 3), *parts]))
+    for i in range(row_buffer.FLUSH_AT):
+        buf.append(torch.full((1, 3), -1.0))
+    assert buf._landed == buf.len, "FLUSH_AT appends waited unlanded"
+    assert buf.rows.shape[0] == buf.len and torch.all(buf.rows[-row_buffer.FLUSH_AT:] == -1)

@@ -203,8 +203,9 @@ class Verifier:
         for sp, k in zip(pending.pages, nums):
             sp.kv_len += 1 + k
         rows = None
-        if pending.path is not None:
-            rows = [pending.path[i, :1 + nums[i]].clone() for i in range(len(nums))]
+        if pending.path is not None:    # one copy out of the graph's output, views of it
+            path = pending.path[:len(nums), :1 + max(nums, default=0)].clone()
+            rows = [path[i, :1 + k] for i, k in enumerate(nums)]
         return StepResult([res[i][:nums[i]] for i in range(len(nums))],
                           [res[i][d + 1] for i in range(len(nums))], rows)
 
