@@ -49,9 +49,11 @@ class World:
     """B sequences; a drafted chain is accepted node by node with probability p (per
     sequence), and a step at depth d costs cost[d] seconds."""
 
-    def __init__(self, p: list[float], cost: dict[int, float], env=CHAIN4, seed: int = 0):
+    def __init__(self, p: list[float], cost: dict[int, float], env=CHAIN4, seed: int = 0,
+                 catch_up: float = 0.0):
         self.p, self.cost, self.info = p, cost, info(env)
         self.rng = np.random.default_rng(seed)
+        self.catch_up = catch_up        # what a draft's catching up on a sequence adds
 
     def accepted(self, r: int, depth: int) -> int:
         n = 0
@@ -67,12 +69,16 @@ class World:
     def run(self, ctl: Controller, steps: int) -> tuple[float, list[Plan]]:
         b = len(self.p)
         ids, tokens, seconds, plans = list(range(100, 100 + b)), 0, 0.0, []
+        asked_last = set()
         for _ in range(steps):
             plan = ctl.plan(self.info, ids, list(range(b)), b)
             acc = [self.accepted(r, plan.depth) for r in plan.rows]
             tokens += b + sum(acc)
-            seconds += self.cost[plan.depth]
-            ctl.observe(plan, ids, acc, b, self.cost[plan.depth])
+            behind = plan.depth and not set(plan.rows) <= asked_last  # unasked last step
+            cost = self.cost[plan.depth] + (self.catch_up if behind else 0.0)
+            seconds += cost
+            ctl.observe(plan, ids, acc, b, cost, bool(behind))
+            asked_last = set(plan.rows) if plan.depth else set()
             plans.append(plan)
         return tokens / seconds, plans
 
@@ -100,6 +106,21 @@ def test_the_positive_control_a_fixed_budget_loses_where_the_controller_does_not
     assert zero.run(Controller("always"), 200)[0] < 0.75 * zero.expected_rate(0)
     good = World([0.85] * 8, {0: 1.0, 1: 1.1, 2: 1.15, 4: 1.25})
     assert good.run(Controller("off"), 200)[0] < 0.5 * good.expected_rate(4)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_tries_that_make_the_draft_catch_up_are_spaced_by_their_cost(batch, monkeypatch):
+    """A draft that accepts nothing and must catch up (20 plain steps' time) at every
+    try: tries after 8, 16, 32 ... plain steps cost more than the 2 % rule allows (the
+    b1 random drafter rows: 0.90 x plain); spaced by their measured cost, the batch runs
+    at >= 0.97 x plain. The positive control: without the floor it runs below that."""
+    import verify_service.controller as c
+    world = World([0.0] * batch, {0: 1.0, 1: 1.3, 2: 1.35, 4: 1.45}, catch_up=20.0)
+    rate, _ = world.run(Controller(), 4000)
+    assert rate >= 0.97 * world.expected_rate(0), rate
+    monkeypatch.setattr(c.Controller, "_rest_floor", lambda self, b: 0)
+    rate, _ = world.run(Controller(), 4000)
+    assert rate < 0.97 * world.expected_rate(0), rate
 
 
 def test_sequences_whose_drafts_fail_rest_inside_a_speculating_batch():
@@ -130,7 +151,7 @@ def test_a_batch_plain_decode_won_for_is_not_weighed_again(monkeypatch):
     import verify_service.controller as c
     ctl = Controller()
     world = World([0.0] * 8, {0: 1.0, 1: 1.3, 2: 1.35, 4: 1.45})
-    _, plans = world.run(ctl, 40)
+    _, plans = world.run(ctl, 44)
     assert not plans[-1].depth
     weighed = []
     monkeypatch.setattr(c, "expected", lambda r: weighed.append(1) or np.zeros(

@@ -22,7 +22,10 @@ measured at a bucket after a few speculating steps there.
 A sequence whose expected gain falls under ``REST_BELOW`` tokens rests (runs plain
 inside a speculating batch, not asked) and is retried after 8, 16, ... 256 steps;
 when plain decode wins for the batch, speculation is retried after 16, 32, ... 256
-plain steps. A new draft handshake starts it over. Modes: adaptive (this), always (every sequence, the whole envelope,
+plain steps. A try costs more than its deeper verify: the draft catches up on what it
+missed while the sequence rested. That extra (a running average per bucket of such
+steps' wall time over plain decode's) sets a floor on both rests: long enough that
+tries cost at most ``RETRY_SHARE`` of the plain steps between them. A new draft handshake starts it over. Modes: adaptive (this), always (every sequence, the whole envelope,
 every step), off (the draft is never asked). A budget changes speed, never tokens.
 """
 
@@ -41,7 +44,9 @@ REST_BELOW = 0.15          # expected accepted tokens a step under which a seque
 BATCH_DECAY, SEQ_DECAY = 0.95, 0.95      # per step
 PRIOR_RATE, PRIOR_WEIGHT, SEQ_WEIGHT = 0.5, 1.0, 1.0
 UNKNOWN_RATIO = 1.05       # a shape's cost over plain decode's before it is measured
-MAX_RETRY = 256            # the most plain steps between two tries of speculation
+MAX_RETRY = 256            # the longest rest the doubling reaches
+RETRY_SHARE = 0.02         # what tries (their catch-ups) may cost of the plain steps between
+MAX_REST = 4096            # the longest rest the catch-ups' cost sets
 PLAIN_AFTER = 4            # speculating steps at a bucket before plain decode is measured
 MAX_STEPS = 1 << 62
 
@@ -126,6 +131,7 @@ class Controller:
         self.env: TreeEnvelope | None = None
         self.batch = self.seqs = None       # Counts: of the batch (one row), per sequence
         self._cost: dict[tuple[int, int], float] = {}
+        self._catch_up: dict[int, float] = {}       # per bucket: a catch-up step's s
         self._spec_steps: dict[int, int] = {}       # speculating steps measured per bucket
         self.steps = 0
         self._plain_run, self._retry = 0, 16
@@ -140,6 +146,7 @@ class Controller:
             self.batch = Counts(self.env.depth, BATCH_DECAY)
             self.seqs = Counts(self.env.depth, SEQ_DECAY)
             self._cost.clear()
+            self._catch_up.clear()
             self._spec_steps.clear()
             self._plain_run, self._retry = 0, 16
             self._settled = None
@@ -204,16 +211,18 @@ class Controller:
         return self._cost[(d, x)] / self._cost[(0, x)]
 
     def observe(self, plan: Plan, seq_ids: list[int], accepted: list[int], b: int,
-                seconds: float | None) -> None:
+                seconds: float | None, caught_up: bool = False) -> None:
         """What the planned step did: the accepted path length of each row asked (in
-        plan.rows' order; -1: no tree, still syncing), and its wall time (None: it
-        captured a graph or the draft caught up: not what a step costs)."""
+        plan.rows' order; -1: no tree, still syncing), its wall time (None: it captured
+        a graph) and whether the draft caught up with a sequence in it (then the wall
+        time is what a try costs, not what a step of its shape does)."""
         self.steps += 1
         if self.mode != "adaptive" or self.batch is None:
             return
         if plan.depth:
             self._plain_run, self._settled = 0, None
-            self._retry = min(2 * self._retry, MAX_RETRY) if plan.forced else 16
+            self._retry = max(min(2 * self._retry, MAX_RETRY) if plan.forced else 16,
+                              self._rest_floor(b))
             got = [(r, a) for r, a in zip(plan.rows, accepted) if a >= 0]   # -1: syncing
             if got:
                 slots = self.seqs.slots([seq_ids[r] for r, _ in got])
@@ -221,11 +230,14 @@ class Controller:
                 bt = self.batch
                 bt.tried[0] = bt.tried[0] * bt.decay + tried.sum(0)
                 bt.hit[0] = bt.hit[0] * bt.decay + hit.sum(0)
-                self._rest(slots)
+                self._rest(slots, b)
             self._spec_steps[b] = self._spec_steps.get(b, 0) + 1
         elif plan.resting:
             self._plain_run += 1
-        if seconds is not None:
+        if seconds is not None and caught_up:
+            old = self._catch_up.get(b)
+            self._catch_up[b] = seconds if old is None else old + 0.3 * (seconds - old)
+        elif seconds is not None:
             old = self._cost.get((plan.depth, b))
             if old is None:
                 self._cost[(plan.depth, b)] = seconds
@@ -238,15 +250,24 @@ class Controller:
         return self.batch.rates(np.zeros(1, np.int64), np.full(self.env.depth, PRIOR_RATE),
                                 PRIOR_WEIGHT)[0]
 
-    def _rest(self, slots: np.ndarray) -> None:
+    def _rest(self, slots: np.ndarray, b: int) -> None:
         """Rest the sequences whose expected gain fell under REST_BELOW (once they
-        have tried twice), each time twice as long; a gaining one's rest resets."""
+        have tried twice), each time twice as long (and no shorter than the floor the
+        catch-ups' cost sets); a gaining one's rest resets."""
         s = self.seqs
         gain = expected(s.rates(slots, self._prior(), SEQ_WEIGHT))[:, -1]
         s.backoff[slots[gain >= REST_BELOW]] = 8
         tired = slots[(gain < REST_BELOW) & (s.tried[slots, 0] >= 2)]
-        s.rest_until[tired] = self.steps + s.backoff[tired]
+        s.rest_until[tired] = self.steps + np.maximum(s.backoff[tired], self._rest_floor(b))
         s.backoff[tired] = np.minimum(2 * s.backoff[tired], 256)
+
+    def _rest_floor(self, b: int) -> int:
+        """Plain steps between two tries so that a try's measured extra cost is at
+        most RETRY_SHARE of them (0 until measured)."""
+        step, plain = self._catch_up.get(b), self._cost.get((0, b))
+        if step is None or not plain:
+            return 0
+        return min(MAX_REST, int(max(0.0, step - plain) / (RETRY_SHARE * plain)))
 
     def forget(self, seq_id: int) -> None:
         if self.seqs is not None:
