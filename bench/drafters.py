@@ -39,6 +39,9 @@ from common.launch import cli_command  # noqa: E402
 BENCH = Path(__file__).resolve().parent
 # EAGLE-3's hidden states crossing the hop, and the hops that carried them
 HIDDEN = ("treespec:draft_hidden_state_bytes_total", "treespec:draft_hop_seconds_count")
+# the draft service's own: its engine's step (updates, propose, trees) and the propose
+DRAFT = ("treespec:draft_step_seconds_sum", "treespec:draft_step_seconds_count",
+         "treespec:draft_propose_seconds_sum")
 CONFIGS = ("ngram:chain4,ngram:tree-small,model:chain4,model:tree-small,"
            "eagle3:chain4,eagle3:tree-small")
 
@@ -55,7 +58,7 @@ def draft_argv(method: str, envelope: str, mode: str, port: int, work: Path, tar
              "eagle3": ["--model", str(work / "eagle3"), "--target-embeddings", str(target)],
              "dflash": ["--model", str(work / "dflash"), "--target-embeddings", str(target)]}
     common = ["--envelope", envelope, "--port", str(port), "--num-blocks", str(pages),
-              *model[method]]
+              "--metrics-port", "0", *model[method]]
     if mode == "random":
         return cli_command("draft", "--method", method, "--device", device, *common)
     return [sys.executable, str(BENCH / "replay.py"), "--continuations", str(cont),
@@ -216,8 +219,9 @@ def run_config(method: str, envelope: str, mode: str, port: int, work: Path,
     rows: dict = {}
     try:
         asyncio.run(_connected(v.addr, proposer))
+        durl = metrics_url(d)
         for b, prompts in sets.items():
-            before, bytes0 = fallback_counts(url), totals(url, HIDDEN)
+            before, bytes0, draft0 = fallback_counts(url), totals(url, HIDDEN), totals(durl, DRAFT)
             r = throughput(v.addr, prompts, a.max_tokens, no_spec=False, metrics=url,
                            reps=3 if b == 1 else 1, warmup=a.warmup_tokens,
                            sampling=sampling(a))
@@ -225,6 +229,11 @@ def run_config(method: str, envelope: str, mode: str, port: int, work: Path,
             if url is not None:             # bytes of hidden states per drafted step
                 got = {k: v - bytes0[k] for k, v in totals(url, HIDDEN).items()}
                 rows[str(b)]["hidden_bytes_per_step"] = got[HIDDEN[0]] / max(1.0, got[HIDDEN[1]])
+            if durl is not None:            # the draft's part of a hop: its engine, its propose
+                got = {k: v - draft0[k] for k, v in totals(durl, DRAFT).items()}
+                n = max(1.0, got[DRAFT[1]])
+                rows[str(b)]["draft_engine_ms"] = 1000 * got[DRAFT[0]] / n
+                rows[str(b)]["draft_propose_ms"] = 1000 * got[DRAFT[2]] / n
             x = rows[str(b)]
             print(f"{method}:{envelope}:{mode} b={b}: {x['tok_s']:.1f} tok/s "
                   f"({x['over_plain']:.2f} x), step {x.get('step_ms', 0):.2f} ms, draft "

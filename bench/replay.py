@@ -148,6 +148,7 @@ def main() -> None:
                     "`treespec draft`")
     ap.add_argument("--device", default="auto", help="--shadow's device")
     ap.add_argument("--num-blocks", type=int, default=4096, help="--shadow's KV pages")
+    ap.add_argument("--metrics-port", type=int, help="as `treespec draft --metrics-port`")
     a = ap.parse_args()
     from common.tree import envelope_from
     from draft_service import server
@@ -158,13 +159,14 @@ def main() -> None:
         cfg = DraftConfig(method=a.shadow, envelope=envelope_from(a.envelope), model=a.model,
                           target_embeddings=a.target_embeddings, host=a.host, port=a.port,
                           device=a.device, local_socket=a.local_socket,
-                          num_blocks=a.num_blocks)
+                          num_blocks=a.num_blocks, metrics_port=a.metrics_port)
         replay = ReplayProposer(records, cfg.envelope.depth, a.corrupt, a.vocab, a.accept)
         proposer = ShadowReplay(build_proposer(cfg), replay, cfg.envelope.num_nodes)
     else:
         env = TreeEnvelope(depth=a.depth, topk=1, num_nodes=a.depth, name=f"chain{a.depth}")
         cfg = DraftConfig(method="ngram", envelope=env, host=a.host, port=a.port,
-                          device="cpu", local_socket=a.local_socket)
+                          device="cpu", local_socket=a.local_socket,
+                          metrics_port=a.metrics_port)
         proposer = ReplayProposer(records, a.depth, a.corrupt, a.vocab, a.accept)
     server.run(cfg, proposer=proposer)
 

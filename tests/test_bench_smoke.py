@@ -72,6 +72,8 @@ def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     assert not rand["fallbacks"]
     assert shadow["tokens_per_step"] == 4.0      # 9 = the prefill's token and 2 steps of 4
     assert shadow["hop_draft_ms"] > 0 and rand["hop_draft_ms"] > 0
+    for x in (rand, shadow):     # the draft's own metrics: its engine within its hop part
+        assert 0 < x["draft_propose_ms"] < x["draft_engine_ms"] <= x["hop_draft_ms"] * 1.01
 
 
 def test_replay_finds_a_prompt_that_arrives_in_parts():
