@@ -6,7 +6,8 @@
 Per (method, envelope, batch): B sequences with --ctx-token prompts are caught up,
 then steady-state steps each bring 4 new committed units per row (as after 3 accepted
 and a bonus; random tokens, so no scratch KV is kept) and time the proposer's step
-(synchronised): the whole ``propose``, its parts (KV moves, page reservation, the
+(synchronised): the rows' updates (their new tokens and hidden states, as the draft
+engine applies them) and the whole ``propose`` (propose_ms covers both), its parts (KV moves, page reservation, the
 graph call = input staging + replay + output copies), the captured graph's replay
 alone (device time), and the same for a batch whose rows all sample (T 0.6, top-k 20,
 top-p 0.95, rejection q). At batch 1 and 32 a profiler table sums the replay's
@@ -120,10 +121,16 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
     samp = [RowSampling(SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=s),
                         rejection=True) for s in ids] if sampled else None
 
-    def advance() -> None:          # 4 new committed units a row (3 accepted + a bonus)
-        for s in ids:
-            toks[s] += torch.randint(0, vocab, (4,), generator=g).tolist()
-            prop.update(s, toks[s], 4, [], hidden(4))
+    def news() -> list:             # 4 new committed units a row (3 accepted + a bonus)
+        return [(s, torch.randint(0, vocab, (4,), generator=g).tolist(), hidden(4)) for s in ids]
+
+    def apply(rows: list) -> None:  # what the draft engine does with them: timed
+        for s, new, h in rows:
+            toks[s] += new
+            prop.update(s, toks[s], 4, [], h)
+
+    def advance() -> None:
+        apply(news())
     prop.propose(ids, samp, depth)                    # the prompts' catch-up (eager prefill)
     acc: dict = defaultdict(float)
     inner = prop.graphs
@@ -131,11 +138,12 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
     walls = []
     try:
         for i in range(steps + 3):
-            advance()
+            rows = news()
             if i == 3:
                 acc.clear()
             sync()
             t0 = time.perf_counter()
+            apply(rows)
             prop.propose(ids, samp, depth)
             sync()
             if i >= 3:
