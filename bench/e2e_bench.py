@@ -176,9 +176,8 @@ def model_phase(target: str, draft: str, device: str, draft_device: str,
 
 
 # side-by-side variants at the first batch size: key -> (what differs, the verify
-# service's extra flags); "nopoll" runs plain decode too
+# service's extra flags)
 AB_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "nopoll": ("plain and replay with the verify's busy polling off", ("--busy-poll", "off")),
     "grpc": ("replay with draft steps on the gRPC stream (--draft-socket off)",
              ("--draft-socket", "off")),
 }
@@ -226,16 +225,6 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     for suffix, (_, verify_extra) in AB_VARIANTS.items():
         if suffix not in ab:
             continue
-        if suffix == "nopoll":
-            v = start("verify", verify_argv(target, device, None, b, verify_extra))
-            try:
-                r = throughput(v.addr, sets[b], max_tokens, no_spec=True,
-                               metrics=metrics_url(v), reps=reps[b])
-                r.pop("ids")
-                res[f"plain_b{b}_nopoll"] = r
-                print(f"plain b={b}, busy poll off: {r['tok_s']:.1f} tok/s", flush=True)
-            finally:
-                v.stop()
         variant: dict = {}
         replay_phase(target, device, work, "replay", drafting, {b: sets[b]}, max_tokens,
                      {b: refs[b]}, {b: plain[b]}, variant, verify_extra=verify_extra, reps=reps)

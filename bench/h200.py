@@ -30,7 +30,7 @@ from bench.inproc_bench import (copy_bandwidth, hf_decode_tok_s, ours_from_hf,  
                                 verify_latency_ms)
 
 
-AB_FLAGS = {"nopoll": "busy-poll", "grpc": "grpc"}   # AB_VARIANTS key -> --ab-* flag
+AB_FLAGS = {"grpc": "grpc"}   # AB_VARIANTS key -> --ab-* flag
 
 
 def corrupt_for(tokens_per_step: float, depth: int) -> float:

@@ -18,7 +18,7 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "bench" / "h200.py"), "--out", str(out),
                     "--target-shape", "tiny", "--draft-shape", "tiny", "--device", "cpu",
                     "--ctx", "32", "--max-tokens", "16", "--batches", "1", "--nodes", "0,4",
-                    "--ab-busy-poll", "--ab-grpc",
+                    "--ab-grpc",
                     "--work", str(tmp_path / "work")],
                    check=True, timeout=300, cwd=ROOT, capture_output=True)
     r = json.loads(out.read_text())
@@ -41,7 +41,6 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     assert set(tail) == {"1", "2", "4"} and 1 >= tail["1"] >= tail["2"] >= tail["4"] >= 0
     assert abs(hop["hop_to_draft_ms"] + hop["hop_draft_ms"] + hop["hop_to_verify_ms"]
                - hop["hop_wait_ms"]) < 1e-6 and hop["hop_draft_ms"] > 0
-    assert e2e["replay_b1_nopoll"]["lossless"] and e2e["plain_b1_nopoll"]["tok_s"] > 0
     assert e2e["replay_b1_grpc"]["lossless"] and r["hop_share_grpc"] > 0
     # batch 1's figures are the median of three timed runs, all with the same output
     for key in ("plain_b1", "replay_b1", "replay_b1_grpc"):
@@ -72,8 +71,8 @@ def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     assert not rand["fallbacks"]
     assert shadow["tokens_per_step"] == 4.0      # 9 = the prefill's token and 2 steps of 4
     assert shadow["hop_draft_ms"] > 0 and rand["hop_draft_ms"] > 0
-    for x in (rand, shadow):     # the draft's own metrics: its engine within its hop part
-        assert 0 < x["draft_propose_ms"] < x["draft_engine_ms"] <= x["hop_draft_ms"] * 1.01
+    for x in (rand, shadow):     # the draft's own metrics: its propose within its engine's step
+        assert 0 < x["draft_propose_ms"] <= x["draft_engine_ms"]
 
 
 def test_replay_finds_a_prompt_that_arrives_in_parts():
