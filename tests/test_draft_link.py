@@ -123,7 +123,8 @@ def test_a_drafter_going_away_mid_wait_is_disconnected_at_once():
 def test_a_catch_up_predicted_late_is_sent_without_waiting():
     """The draft's catch-up rate is measured on a long prompt's answer; a later request
     whose catch-up it predicts past half the deadline is sent without waiting (the step
-    decodes plain at once, its row syncing) instead of waiting out the deadline."""
+    decodes plain at once, its row syncing) instead of waiting out the deadline, and the
+    draft's time on it is kept for the controller."""
     def seq(i: int) -> Sequence:
         return Sequence(GenRequest(prompt_ids=tuple(range(1, 61)) * 20, max_tokens=10),
                         frozenset(), 2000 + i)
@@ -136,12 +137,16 @@ def test_a_catch_up_predicted_late_is_sent_without_waiting():
             link.deadline_s = 0.5                               # ~0.3 s > 0.25 s: late
             t0 = time.monotonic()
             second = await link.propose([seq(1)], {})
-            return first, rate, second, time.monotonic() - t0
+            waited = time.monotonic() - t0
+            await asyncio.sleep(0.5)                            # its answer lands
+            return first, rate, second, waited, link.take_unwaited(), link.take_unwaited()
         finally:
             await link.close()
             await server.stop(0.2)
 
-    first, rate, second, waited = asyncio.run(go())
+    first, rate, second, waited, spent, again = asyncio.run(go())
     assert first.trees is not None and 1200 / 0.6 < rate < 1200 / 0.3
     assert second.trees is None and second.fallback is None and second.syncing == [0]
     assert waited < 0.15
+    # the draft's time on it is handed to the controller once (a try's cost)
+    assert 0.25 < spent < 0.5 and again == 0.0

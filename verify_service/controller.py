@@ -15,18 +15,22 @@ depth d says nothing past d, so an unused depth drifts back to the prior and is
 tried again), shrunk toward the batch's rates while a sequence has few steps.
 cost(d, b) is the measured wall time of whole steps (draft, hop, verify, commit)
 at batch bucket b, a running average per (d, b) that leaves out steps that captured
-a graph or where the draft caught up with a sequence (new, or back from a rest); a shape not measured at b borrows its ratio to plain decode from the
-nearest bucket that has both (1.05, optimistic, when none has), and plain decode is
-measured at a bucket after a few speculating steps there.
+a graph or where the draft caught up with a sequence (new, or back from a rest); a
+shape not measured at b borrows its ratio to plain decode from the nearest bucket
+that has both (1.05, optimistic, when none has), and plain decode is measured at a
+bucket after a few speculating steps there.
 
 A sequence whose expected gain falls under ``REST_BELOW`` tokens rests (runs plain
 inside a speculating batch, not asked) and is retried after 8, 16, ... 256 steps;
 when plain decode wins for the batch, speculation is retried after 16, 32, ... 256
 plain steps. A try costs more than its deeper verify: the draft catches up on what it
-missed while the sequence rested. That extra (a running average per bucket of such
-steps' wall time over plain decode's) sets a floor on both rests: long enough that
-tries cost at most ``RETRY_SHARE`` of the plain steps between them. A new draft handshake starts it over. Modes: adaptive (this), always (every sequence, the whole envelope,
-every step), off (the draft is never asked). A budget changes speed, never tokens.
+missed while the sequence rested (waited for, or sent without waiting and then paid
+for by the steps beside it where the draft shares the GPU). That extra (a running
+average per bucket over plain decode's step) sets a floor on both rests: long enough
+that tries cost at most ``RETRY_SHARE`` of the plain steps between them. A new draft
+handshake starts it over. Modes: adaptive (this), always (every sequence, the whole
+envelope, every step), off (the draft is never asked). A budget changes speed, never
+tokens.
 """
 
 from __future__ import annotations
@@ -235,8 +239,7 @@ class Controller:
         elif plan.resting:
             self._plain_run += 1
         if seconds is not None and caught_up:
-            old = self._catch_up.get(b)
-            self._catch_up[b] = seconds if old is None else old + 0.3 * (seconds - old)
+            self._note_catch_up(b, seconds)
         elif seconds is not None:
             old = self._cost.get((plan.depth, b))
             if old is None:
@@ -260,6 +263,17 @@ class Controller:
         tired = slots[(gain < REST_BELOW) & (s.tried[slots, 0] >= 2)]
         s.rest_until[tired] = self.steps + np.maximum(s.backoff[tired], self._rest_floor(b))
         s.backoff[tired] = np.minimum(2 * s.backoff[tired], 256)
+
+    def charge(self, b: int, seconds: float) -> None:
+        """Draft time no step waited for (a catch-up sent without waiting): a try's
+        cost all the same, where the draft shares the GPU (counted as if it did)."""
+        plain = self._cost.get((0, b))
+        if seconds > 0 and plain is not None and self.batch is not None:
+            self._note_catch_up(b, plain + seconds)
+
+    def _note_catch_up(self, b: int, seconds: float) -> None:
+        old = self._catch_up.get(b)
+        self._catch_up[b] = seconds if old is None else old + 0.3 * (seconds - old)
 
     def _rest_floor(self, b: int) -> int:
         """Plain steps between two tries so that a try's measured extra cost is at

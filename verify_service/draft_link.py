@@ -78,6 +78,8 @@ class DraftLink:
         # brought it at least MEASURE_CATCH_UP (None: not yet): predicts late answers
         self.catch_up_rate: float | None = None
         self._sent = (0, 0, 0)               # the last request: step id, new tokens, ns
+        self._blind = 0                      # the last request sent without waiting
+        self.unwaited_s = 0.0                # the draft's time on those, not yet taken
         self._down: str | None = None          # why the draft is unreachable, last logged
         self._closed = False
 
@@ -201,7 +203,7 @@ class DraftLink:
         batch of new prompts, sequences back from a rest: new tokens over the measured
         catch_up_rate): sent without waiting, so the step decodes plain while the draft
         takes it in (the answer only frees the draft for the next request)."""
-        self._outstanding = out.request.step_id
+        self._outstanding = self._blind = out.request.step_id
         try:
             await self._call.write(wire.spec_request_to_pb(out.request, self.sync.shared))
         except Exception as e:
@@ -215,20 +217,28 @@ class DraftLink:
     def _deliver(self, msg: pb.Proposal) -> None:
         """Hand the awaited answer to propose(); an answer nobody waits for (late, or
         to a request sent without waiting) frees the draft for the next step, and only
-        its resync list is applied."""
+        its resync list is applied. The draft's time on a request sent without waiting
+        adds to unwaited_s: on a GPU it shares, the steps beside it paid for it."""
         if msg.step_id != self._outstanding:
             return
         step, new, t_sent = self._sent
-        if step == msg.step_id and new >= MEASURE_CATCH_UP:
-            rate = new / max(1e-6, (time.time_ns() - t_sent) * 1e-9)
-            self.catch_up_rate = rate if self.catch_up_rate is None else \
-                0.5 * (self.catch_up_rate + rate)
+        took = max(1e-6, (time.time_ns() - t_sent) * 1e-9) if step == msg.step_id else 0.0
+        if took and new >= MEASURE_CATCH_UP:
+            self.catch_up_rate = new / took if self.catch_up_rate is None else \
+                0.5 * (self.catch_up_rate + new / took)
+        if msg.step_id == self._blind:
+            self.unwaited_s += took
         if self._waiter is not None and not self._waiter.done():
             self._t_answer = time.time_ns()
             self._waiter.set_result(msg)
         else:
             self._outstanding = None
             self.sync.resync(list(msg.resync))
+
+    def take_unwaited(self) -> float:
+        """unwaited_s, then 0."""
+        spent, self.unwaited_s = self.unwaited_s, 0.0
+        return spent
 
     async def propose(self, seqs: list[Sequence], trace: dict[str, str],
                       depth: int = 0) -> Drafted:

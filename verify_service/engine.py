@@ -227,10 +227,8 @@ class VerifyEngine:
                         self.limits[flag], flag)
 
     async def _draft(self, seqs: list[Sequence]) -> tuple[Drafted, Plan]:
-        """The step's trees for the sequences the controller asks (plan.rows: their
-        rows in seqs), or why there are none. A drafter that reads hidden states serves
-        only sequences whose history was captured (those admitted before it connected
-        decode plainly)."""
+        """The step's trees for the sequences the controller asks (plan.rows: their rows in
+        seqs), or why none. A drafter of hidden states serves the sequences it saw admitted."""
         needs = bool(self.verifier.capture_layers)
         rows = [i for i, s in enumerate(seqs)
                 if s.speculative and (s.hidden is not None or not needs)
@@ -240,6 +238,7 @@ class VerifyEngine:
         if self.link is None or not self.link.ready:
             return (Drafted(None, "no_draft" if self.link is None else "disconnected"),
                     Plan(0, rows))
+        self.controller.charge(bucket(len(seqs)), self.link.take_unwaited())
         plan = self.controller.plan(self.link.info, [s.seq_id for s in seqs], rows,
                                     bucket(len(seqs)))
         if not plan.depth:
@@ -287,8 +286,9 @@ class VerifyEngine:
             self.controller.observe(
                 plan, [s.seq_id for s in seqs],
                 [-1 if i in syncing else len(res.accepted[i]) for i in plan.rows],
-                bucket(len(seqs)), None if self.verifier.buckets.captures != captures
-                else (time.time_ns() - t0) * 1e-9, drafted.catch_up)
+                bucket(len(seqs)), None if self.verifier.buckets.captures != captures or
+                drafted.catch_up and trees is None else (time.time_ns() - t0) * 1e-9,
+                drafted.catch_up)
         if isinstance(self.observer, NullObserver):
             return                       # telemetry off: not even a record is built
         self._observe_step(drafted, len(seqs), done, why, trees is not None, t0, t1, t2, plan)
