@@ -7,7 +7,8 @@ Per (method, envelope, batch): B sequences with --ctx-token prompts are caught u
 then steady-state steps each bring 4 new committed units per row (as after 3 accepted
 and a bonus; random tokens, so no scratch KV is kept) and time the proposer's step
 (synchronised): the rows' updates (their new tokens and hidden states, as the draft
-engine applies them) and the whole ``propose`` (propose_ms covers both), its parts (KV moves, page reservation, the
+engine applies them: update_ms) and the whole ``propose`` (propose_ms covers both),
+its parts (KV moves, page reservation, the
 graph call = input staging + replay + output copies), the captured graph's replay
 alone (device time), and the same for a batch whose rows all sample (T 0.6, top-k 20,
 top-p 0.95, rejection q). At batch 1 and 32 a profiler table sums the replay's
@@ -135,7 +136,7 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
     acc: dict = defaultdict(float)
     inner = prop.graphs
     wrap(prop, acc)
-    walls = []
+    walls, updates = [], []
     try:
         for i in range(steps + 3):
             rows = news()
@@ -144,10 +145,13 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
             sync()
             t0 = time.perf_counter()
             apply(rows)
+            sync()
+            t1 = time.perf_counter()
             prop.propose(ids, samp, depth)
             sync()
             if i >= 3:
                 walls.append(1000 * (time.perf_counter() - t0))
+                updates.append(1000 * (t1 - t0))
     finally:
         prop.graphs = inner
         for name in ("_before_step", "_reserve", "_prefill", "_drafted"):
@@ -161,6 +165,7 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
               key=lambda k: (k[1], -k[2]), default=None)
     graph = inner.buckets.graphs[key] if key else None
     out = {"propose_ms": sorted(walls)[len(walls) // 2],
+           "update_ms": sorted(updates)[len(updates) // 2],
            **{k.lstrip("_") + "_ms": round(v / steps, 4) for k, v in acc.items()
               if k != "host_ops"}}
     if "host_ops" in acc:
