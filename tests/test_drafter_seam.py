@@ -57,6 +57,9 @@ class ContinuationDrafter:
     def release(self, seq_ids):
         self.released += seq_ids
 
+    def take_unwaited(self):
+        return 0.0
+
     async def idle(self):
         pass
 

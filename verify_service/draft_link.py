@@ -236,7 +236,7 @@ class DraftLink:
             self.sync.resync(list(msg.resync))
 
     def take_unwaited(self) -> float:
-        """unwaited_s, then 0."""
+        """See verify_service.drafter.Drafter.take_unwaited."""
         spent, self.unwaited_s = self.unwaited_s, 0.0
         return spent
 

@@ -66,6 +66,10 @@ class Drafter(Protocol):
     def release(self, seq_ids: list[int]) -> None:
         """These sequences ended; the draft may forget them."""
 
+    def take_unwaited(self) -> float:
+        """Seconds the draft spent since the last call on requests no step waited for
+        (catch-ups sent without waiting); the controller counts them as tries' cost."""
+
     async def idle(self) -> None:
         """The engine has nothing to run: tell the draft now what ended (it would
         otherwise hear it with the next step, and hold their state until then)."""
