@@ -124,8 +124,9 @@ def test_tries_that_make_the_draft_catch_up_are_spaced_by_their_cost(batch, unwa
     import verify_service.controller as c
     world = World([0.0] * batch, {0: 1.0, 1: 1.3, 2: 1.35, 4: 1.45}, catch_up=20.0,
                   unwaited=unwaited)
-    rate, _ = world.run(Controller(), 4000)
+    rate, plans = world.run(Controller(), 4000)
     assert rate >= 0.97 * world.expected_rate(0), rate
+    assert plans[-1].rest_floor > 256          # what the metrics and spans report
     monkeypatch.setattr(c.Controller, "_rest_floor", lambda self, b: 0)
     rate, _ = world.run(Controller(), 4000)
     assert rate < 0.97 * world.expected_rate(0), rate

@@ -124,6 +124,7 @@ class Plan:
     expected: float = 0.0               # expected committed tokens of the step
     cost_s: float | None = None         # its measured wall time (None: not yet known)
     forced: bool = False                # a retry of speculation after plain steps
+    rest_floor: int = 0                 # plain steps the tries' measured cost asks between
 
 
 class Controller:
@@ -158,6 +159,11 @@ class Controller:
     def plan(self, info: DrafterInfo, seq_ids: list[int], rows: list[int], b: int) -> Plan:
         """The budget for a step of len(seq_ids) sequences (batch bucket b) of which
         `rows` may speculate, with the draft of this handshake."""
+        p = self._plan(info, seq_ids, rows, b)
+        p.rest_floor = self._rest_floor(b)
+        return p
+
+    def _plan(self, info: DrafterInfo, seq_ids: list[int], rows: list[int], b: int) -> Plan:
         if self.mode == "off" or not rows:
             return Plan(0, [], list(rows))
         self._draft(info)

@@ -32,6 +32,8 @@ treespec's own (vLLM has none of these):
     treespec:spec_budget_expected_tokens         gauge: its expected committed tokens, last step
     treespec:spec_budget_step_seconds            gauge: its measured time for that budget at
                                                  that batch bucket, last step (0: not yet)
+    treespec:spec_rest_floor_steps               gauge: the fewest plain steps it keeps between
+                                                 tries, for what a try's catch-up costs
     treespec:draft_connected                     gauge, 1 while the Speculate stream is up
 """
 
@@ -106,6 +108,10 @@ class VerifyMetrics(EngineObserver):
                                  "The controller's measured step time for its budget and "
                                  "batch bucket, last step (0: not yet).", lab,
                                  registry=r).labels(m)
+        self.rest_floor = Gauge("treespec:spec_rest_floor_steps",
+                                "The fewest plain steps the controller keeps between tries "
+                                "of speculation, for what a try's catch-up costs.", lab,
+                                registry=r).labels(m)
         self.hidden_bytes = counter("treespec:draft_hidden_state_bytes",
                                     "Target hidden states sent to the draft (EAGLE-3), bytes.")
         self._gauges = {name: Gauge(name, doc, lab, registry=r).labels(m) for name, doc in (
@@ -151,6 +157,7 @@ class VerifyMetrics(EngineObserver):
         self.budget.observe(r.budget)
         self.expected.set(r.expected)
         self.budget_cost.set(r.cost_s or 0.0)
+        self.rest_floor.set(r.rest_floor)
         self.sequence_steps.inc(len(r.seq_ids))
         self.generation_tokens.inc(sum(r.committed))
         for drafted, accepted, fallback in zip(r.drafted, r.accepted, r.fallback):

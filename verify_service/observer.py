@@ -71,10 +71,12 @@ class StepRecord:
     hop_parts: dict[str, int] = field(default_factory=dict)
     hidden_bytes: int = 0            # target hidden states the request carried
     # the controller's budget (depth verified; 0: plain decode), its expected committed
-    # tokens and its step time measured so far for this budget and batch (None: not yet)
+    # tokens, its step time measured so far for this budget and batch (None: not yet)
+    # and the plain steps it keeps between tries for what they cost (Plan.rest_floor)
     budget: int = 0
     expected: float = 0.0
     cost_s: float | None = None
+    rest_floor: int = 0
 
 
 HOP_PARTS = ("send", "wait", "read", "to_draft", "draft", "to_verify")
@@ -118,7 +120,7 @@ def step_record(drafted: Drafted, plan: Plan, batch: int,
         reason=drafted.fallback, envelope=envelope, t_start=t0, t_drafted=t1, t_verified=t2,
         t_end=t3, hop_parts=hop_parts(t0, t1, drafted.stamps) if drafted.step_id else {},
         hidden_bytes=drafted.hidden_bytes, budget=plan.depth, expected=plan.expected,
-        cost_s=plan.cost_s)
+        cost_s=plan.cost_s, rest_floor=plan.rest_floor)
 
 
 class EngineObserver:

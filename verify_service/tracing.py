@@ -21,8 +21,9 @@ sequence aligned with ``treespec.seq_ids``: ``treespec.drafted_tokens``,
 per step: ``treespec.sequences``, ``treespec.step_id``, ``treespec.envelope``
 (+ ``.depth``, ``.topk``, ``.num_nodes``), ``treespec.fallback_reason``, and the
 speculation controller's ``treespec.budget.depth`` (0: plain decode),
-``treespec.budget.expected_tokens`` and ``treespec.budget.step_seconds`` (its
-measured time for that budget at this batch size; absent until measured).
+``treespec.budget.expected_tokens``, ``treespec.budget.step_seconds`` (its
+measured time for that budget at this batch size; absent until measured) and
+``treespec.budget.rest_floor`` (the fewest plain steps between tries).
 The request span gets its final RequestStats as ``treespec.stats.*``.
 """
 
@@ -114,7 +115,8 @@ class VerifyTracer(EngineObserver):
                  "treespec.drafted_tokens": r.drafted,
                  "treespec.fallback": [f or "" for f in r.fallback],
                  "treespec.budget.depth": r.budget,
-                 "treespec.budget.expected_tokens": r.expected}
+                 "treespec.budget.expected_tokens": r.expected,
+                 "treespec.budget.rest_floor": r.rest_floor}
         if r.cost_s is not None:
             attrs["treespec.budget.step_seconds"] = r.cost_s
         if r.envelope is not None:
