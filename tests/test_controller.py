@@ -160,7 +160,7 @@ def test_a_batch_plain_decode_won_for_is_not_weighed_again(monkeypatch):
     import verify_service.controller as c
     ctl = Controller()
     world = World([0.0] * 8, {0: 1.0, 1: 1.3, 2: 1.35, 4: 1.45})
-    _, plans = world.run(ctl, 44)
+    _, plans = world.run(ctl, 44)             # settled: its rows' last turn came at 41
     assert not plans[-1].depth
     weighed = []
     monkeypatch.setattr(c, "expected", lambda r: weighed.append(1) or np.zeros(

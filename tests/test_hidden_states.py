@@ -135,7 +135,7 @@ def test_hidden_rows_wait_as_views_until_read():
         buf.append(p)
     assert buf._landed == 2 and not buf._owned, "appends copied before anyone read them"
     assert torch.equal(buf.rows, torch.cat([torch.zeros(2, 3), *parts]))
-    for i in range(row_buffer.FLUSH_AT):
+    for _ in range(row_buffer.FLUSH_AT):
         buf.append(torch.full((1, 3), -1.0))
     assert buf._landed == buf.len, "FLUSH_AT appends waited unlanded"
     assert buf.rows.shape[0] == buf.len and torch.all(buf.rows[-row_buffer.FLUSH_AT:] == -1)
