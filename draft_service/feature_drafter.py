@@ -51,13 +51,28 @@ class FeatureDrafter(KVDrafter):
                 f"drafter needs [{new_count}, {c}] (layers {list(self.target_hidden_layers)} "
                 "of the target it was trained for)")
         st = self.state(seq_id)
-        rows = hidden.to(self.head.device, self.head.dtype, copy=True)   # may be shared
+        # a host tensor may be the carrier's reused buffer: copied; stage()'s are our own
+        rows = hidden.to(self.head.device, self.head.dtype, copy=hidden.device.type == "cpu")
         if new_count == len(tokens):          # from nothing: s_0 has no pair
             self.cache.release(st.pages)
             st.feats = RowBuffer(rows[1:])
         else:
             st.feats.append(rows)
         st.tokens = tokens
+
+    def stage(self, hidden: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """A request's hidden states on the device in one gather and one copy (not a
+        copy a row), as tensors of their own (the carrier's buffer is reused); one of
+        the wrong shape stays as it came, for update to refuse."""
+        ok = [i for i, h in enumerate(hidden)
+              if h is not None and h.dim() == 2 and h.shape[1] == self.feature_size]
+        if not ok:
+            return hidden
+        rows = torch.cat([hidden[i] for i in ok]).to(self.head.device, self.head.dtype)
+        out = list(hidden)
+        for i, part in zip(ok, rows.split([hidden[i].shape[0] for i in ok])):
+            out[i] = part
+        return out
 
     def _units(self, st: FeatureSeq) -> int:
         return len(st.tokens) - 1

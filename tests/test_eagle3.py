@@ -326,3 +326,21 @@ def test_shipped_head_speculates_on_the_shipped_target(envelope):
     s = out.stats
     assert (s["accepted_tokens"] + s["steps"]) / s["steps"] > 1.5
 
+
+
+def test_a_steps_hidden_states_reach_the_device_in_one_copy(head_dir):
+    """stage(): every well-formed row of a request in one gather and one copy (views of
+    one tensor, not the carrier's buffer); None and a wrong shape stay as they came."""
+    from draft_service.config import DraftConfig
+    from draft_service.registry import build_proposer
+    from common.tree import envelope_from
+    p = build_proposer(DraftConfig(method="eagle3", envelope=envelope_from("chain4"),
+                                   model=str(head_dir), device="cpu"))
+    c = p.feature_size
+    carrier = torch.randn(9, c)
+    given = [carrier[:4], None, torch.randn(3, c + 1), carrier[4:9]]
+    got = p.stage(given)
+    assert got[1] is None and got[2] is given[2]
+    assert torch.equal(got[0], given[0]) and torch.equal(got[3], given[3])
+    assert got[0].untyped_storage().data_ptr() == got[3].untyped_storage().data_ptr()
+    assert got[0].untyped_storage().data_ptr() != carrier.untyped_storage().data_ptr()
