@@ -114,15 +114,15 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             continue
         t = hi - lo
         slots = gather_slots(block_tables[b], 0, ctx[b] + t, bs)
-        k = flat_k[slots].float().repeat_interleave(group, dim=1)  # [S, hq, D]
-        v = flat_v[slots].float().repeat_interleave(group, dim=1)
-        qb = q[lo:hi].float()                                       # [t, hq, D]
-        scores = torch.einsum("thd,shd->hts", qb, k) * scale        # [hq, t, S]
+        k, v = flat_k[slots].float(), flat_v[slots].float()        # [S, hkv, D]
+        qb = q[lo:hi].float().view(t, hkv, group, -1)   # q head h: kv head h // group
+        scores = torch.einsum("tkgd,skd->kgts", qb, k) * scale      # [hkv, group, t, S]
         visible = torch.ones(t, ctx[b] + t, dtype=torch.bool, device=q.device)
         visible[:, ctx[b]:] = chunk_mask(chunk_parents[lo:hi])
         visible[chunk_parents[lo:hi] == PAD, :ctx[b]] = False
         scores = scores.masked_fill(~visible, float("-inf"))
-        out[lo:hi] = torch.einsum("hts,shd->thd", scores.softmax(-1), v).to(q.dtype)
+        o = torch.einsum("kgts,skd->tkgd", scores.softmax(-1), v)   # [t, hkv, group, D]
+        out[lo:hi] = o.reshape(t, hq, -1).to(q.dtype)
     return out
 
 
