@@ -123,30 +123,37 @@ def test_a_drafter_going_away_mid_wait_is_disconnected_at_once():
 def test_a_catch_up_predicted_late_is_sent_without_waiting():
     """The draft's catch-up rate is measured on a long prompt's answer; a later request
     whose catch-up it predicts past half the deadline is sent without waiting (the step
-    decodes plain at once, its row syncing) instead of waiting out the deadline, and the
-    draft's time on it is kept for the controller."""
+    decodes plain at once, its row syncing) instead of waiting out the deadline. The
+    draft's time on such a request is kept for the controller (a try's cost) when it
+    brings back a sequence the draft held, not when it brings a new prompt."""
     def seq(i: int) -> Sequence:
-        return Sequence(GenRequest(prompt_ids=tuple(range(1, 61)) * 20, max_tokens=10),
-                        frozenset(), 2000 + i)
+        return Sequence(GenRequest(prompt_ids=tuple(range(1, 61)) * 20, max_tokens=2000),
+                        frozenset(), 4000, seq_id=2000 + i)
 
     async def go():
-        server, link = await _linked(ScriptedDrafter({1: 0.3, 2: 0.3}))
+        server, link = await _linked(ScriptedDrafter({1: 0.3, 2: 0.3, 3: 0.3}))
+        back = seq(0)
         try:
-            first = await link.propose([seq(0)], {})            # 1200 tokens in ~0.3 s
+            first = await link.propose([back], {})              # 1200 tokens in ~0.3 s
             rate = link.catch_up_rate
             link.deadline_s = 0.5                               # ~0.3 s > 0.25 s: late
             t0 = time.monotonic()
-            second = await link.propose([seq(1)], {})
+            second = await link.propose([seq(1)], {})           # a new prompt
             waited = time.monotonic() - t0
             await asyncio.sleep(0.5)                            # its answer lands
-            return first, rate, second, waited, link.take_unwaited(), link.take_unwaited()
+            fresh = link.take_unwaited()
+            back.commit([7] * 1200)                             # back from a long rest
+            third = await link.propose([back], {})
+            await asyncio.sleep(0.5)
+            return first, rate, second, waited, fresh, third, link.take_unwaited(), \
+                link.take_unwaited()
         finally:
             await link.close()
             await server.stop(0.2)
 
-    first, rate, second, waited, spent, again = asyncio.run(go())
+    first, rate, second, waited, fresh, third, spent, again = asyncio.run(go())
     assert first.trees is not None and 1200 / 0.6 < rate < 1200 / 0.3
     assert second.trees is None and second.fallback is None and second.syncing == [0]
-    assert waited < 0.15
-    # the draft's time on it is handed to the controller once (a try's cost)
+    assert waited < 0.15 and second.fresh and fresh == 0.0
+    assert third.trees is None and third.catch_up and not third.fresh
     assert 0.25 < spent < 0.5 and again == 0.0

@@ -78,8 +78,8 @@ class DraftLink:
         # brought it at least MEASURE_CATCH_UP (None: not yet): predicts late answers
         self.catch_up_rate: float | None = None
         self._sent = (0, 0, 0)               # the last request: step id, new tokens, ns
-        self._blind = 0                      # the last request sent without waiting
-        self.unwaited_s = 0.0                # the draft's time on those, not yet taken
+        self._blind = 0                      # the last request sent without waiting (of
+        self.unwaited_s = 0.0                # returning sequences), the draft's time on them
         self._down: str | None = None          # why the draft is unreachable, last logged
         self._closed = False
 
@@ -203,7 +203,9 @@ class DraftLink:
         batch of new prompts, sequences back from a rest: new tokens over the measured
         catch_up_rate): sent without waiting, so the step decodes plain while the draft
         takes it in (the answer only frees the draft for the next request)."""
-        self._outstanding = self._blind = out.request.step_id
+        # a try's cost is a returning sequence's catch-up; a new one's prompt is paid once
+        self._outstanding = step = out.request.step_id
+        self._blind = 0 if out.fresh else step
         try:
             await self._call.write(wire.spec_request_to_pb(out.request, self.sync.shared))
         except Exception as e:
@@ -212,7 +214,7 @@ class DraftLink:
         finally:
             self.sync.sent(seqs, out)
         return Drafted(None, None, out.request.step_id, syncing=out.syncing,
-                       hidden_bytes=out.hidden_bytes, catch_up=True)
+                       hidden_bytes=out.hidden_bytes, catch_up=True, fresh=out.fresh)
 
     def _deliver(self, msg: pb.Proposal) -> None:
         """Hand the awaited answer to propose(); an answer nobody waits for (late, or
@@ -310,4 +312,4 @@ class DraftLink:
                                 for x in (trees.q_ids, trees.q_probs)))
         return Drafted(trees.scatter([out.rows[j] for j in keep], len(seqs)), None, step,
                        stamps, out.syncing, out.hidden_bytes,
-                       out.catch_up(self._info.envelope.depth))
+                       out.catch_up(self._info.envelope.depth), out.fresh)

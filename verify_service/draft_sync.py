@@ -62,6 +62,7 @@ class Outgoing:
                                     # the draft's tree for them is for a prefix, unused
     ends: list[int]                 # per row: committed tokens the draft holds after it
     hidden_bytes: int = 0           # target hidden states it carries
+    fresh: bool = False             # some sequence's prompt goes (in part): new to the draft
 
     def catch_up(self, depth: int) -> bool:
         """Whether a sequence gets more new tokens than a step of depth commits."""
@@ -110,6 +111,7 @@ class DraftSync:
         for i, s in enumerate(seqs):
             c = self._cursors.get(s.seq_id)
             sent, end = (c.sent if c is not None else 0), len(s.tokens)
+            out.fresh |= sent < len(s.req.prompt_ids)
             if hidden and s.hidden is not None:
                 row = s.hidden.rows[0]
                 end = min(end, sent + budget // (row.numel() * row.element_size()))

@@ -44,6 +44,7 @@ class Drafted:
     # the request brought some sequence more new tokens than a step commits (a new one,
     # or one back from a rest): the draft caught up, so the step's time is not a step's
     catch_up: bool = False
+    fresh: bool = False                     # ... and some sequence was new to the draft
 
 
 class Drafter(Protocol):
