@@ -24,10 +24,11 @@ A sequence whose expected gain falls under ``REST_BELOW`` tokens rests (runs pla
 inside a speculating batch, not asked) and is retried after 8, 16, ... 256 steps;
 when plain decode wins for the batch, speculation is retried after 16, 32, ... 256
 plain steps. A try costs more than its deeper verify: the draft catches up on what it
-missed while the sequence rested (waited for, or sent without waiting and then paid
-for by the steps beside it where the draft shares the GPU). That extra (a running
-average per bucket over plain decode's step) sets a floor on both rests: long enough
-that tries cost at most ``RETRY_SHARE`` of the plain steps between them. A new draft
+missed while the sequence rested (waited for: the step's time over that budget's
+measured step; or sent without waiting: the draft's time on it, paid for by the steps
+beside it where the draft shares the GPU). That extra (a running average per bucket)
+sets a floor on both rests: long enough that tries cost at most ``RETRY_SHARE`` of the
+plain steps between them. A new draft
 handshake starts it over. Modes: adaptive (this), always (every sequence, the whole
 envelope, every step), off (the draft is never asked). A budget changes speed, never
 tokens.
@@ -136,7 +137,7 @@ class Controller:
         self.env: TreeEnvelope | None = None
         self.batch = self.seqs = None       # Counts: of the batch (one row), per sequence
         self._cost: dict[tuple[int, int], float] = {}
-        self._catch_up: dict[int, float] = {}       # per bucket: a catch-up step's s
+        self._catch_up: dict[int, float] = {}       # per bucket: what a catch-up adds, s
         self._spec_steps: dict[int, int] = {}       # speculating steps measured per bucket
         self.steps = 0
         self._plain_run, self._retry = 0, 16
@@ -244,8 +245,10 @@ class Controller:
             self._spec_steps[b] = self._spec_steps.get(b, 0) + 1
         elif plan.resting:
             self._plain_run += 1
-        if seconds is not None and caught_up:
-            self._note_catch_up(b, seconds)
+        if seconds is not None and caught_up:     # what the catch-up added to the step
+            base = self._cost.get((plan.depth, b), self._cost.get((0, b)))
+            if base is not None:
+                self._note_catch_up(b, max(0.0, seconds - base))
         elif seconds is not None:
             old = self._cost.get((plan.depth, b))
             if old is None:
@@ -273,21 +276,20 @@ class Controller:
     def charge(self, b: int, seconds: float) -> None:
         """Draft time no step waited for (a catch-up sent without waiting): a try's
         cost all the same, where the draft shares the GPU (counted as if it did)."""
-        plain = self._cost.get((0, b))
-        if seconds > 0 and plain is not None and self.batch is not None:
-            self._note_catch_up(b, plain + seconds)
+        if seconds > 0 and self.batch is not None:
+            self._note_catch_up(b, seconds)
 
-    def _note_catch_up(self, b: int, seconds: float) -> None:
+    def _note_catch_up(self, b: int, extra: float) -> None:
         old = self._catch_up.get(b)
-        self._catch_up[b] = seconds if old is None else old + 0.3 * (seconds - old)
+        self._catch_up[b] = extra if old is None else old + 0.3 * (extra - old)
 
     def _rest_floor(self, b: int) -> int:
-        """Plain steps between two tries so that a try's measured extra cost is at
-        most RETRY_SHARE of them (0 until measured)."""
-        step, plain = self._catch_up.get(b), self._cost.get((0, b))
-        if step is None or not plain:
+        """Plain steps between two tries so that what a try's catch-up adds is at most
+        RETRY_SHARE of them (0 until measured)."""
+        extra, plain = self._catch_up.get(b), self._cost.get((0, b))
+        if extra is None or not plain:
             return 0
-        return min(MAX_REST, int(max(0.0, step - plain) / (RETRY_SHARE * plain)))
+        return min(MAX_REST, int(extra / (RETRY_SHARE * plain)))
 
     def forget(self, seq_id: int) -> None:
         if self.seqs is not None:
