@@ -271,7 +271,7 @@ class Controller:
         s.backoff[slots[gain >= REST_BELOW]] = 8
         tired = slots[(gain < REST_BELOW) & (s.tried[slots, 0] >= 2)]
         s.rest_until[tired] = self.steps + np.maximum(s.backoff[tired], self._rest_floor(b))
-        s.backoff[tired] = np.minimum(2 * s.backoff[tired], 256)
+        s.backoff[tired] = np.minimum(2 * s.backoff[tired], MAX_RETRY)
 
     def charge(self, b: int, seconds: float) -> None:
         """Draft time no step waited for (a catch-up sent without waiting): a try's
