@@ -44,20 +44,23 @@ class SharedBuffer:
         self._unlinked = False
 
     @classmethod
-    def create(cls, nbytes: int = SHARED_BYTES) -> SharedBuffer | None:
-        """A new buffer (the draft's side), or None where there is no /dev/shm."""
+    def create(cls, nbytes: int = SHARED_BYTES, pin: bool = False) -> SharedBuffer | None:
+        """A new buffer (the draft's side, registered with CUDA when pin is set and CUDA
+        takes it, so a step's states reach its device in one asynchronous copy), or None
+        where there is no /dev/shm."""
         if not os.path.isdir(SHM_DIR):
             return None
         path = os.path.join(SHM_DIR, f"treespec-hidden-{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)             # sparse: pages exist once written
-            return cls(path, fd)
+            buf = cls(path, fd)
         except BaseException:
             os.unlink(path)
             raise
         finally:
             os.close(fd)
+        return buf._pin() if pin else buf
 
     @classmethod
     def attach(cls, path: str, pin: bool) -> SharedBuffer:
@@ -72,9 +75,12 @@ class SharedBuffer:
             buf = cls(path, fd)
         finally:
             os.close(fd)
-        if pin and buf.nbytes:
-            buf._pinned = torch.cuda.cudart().cudaHostRegister(buf._base, buf.nbytes, 0) == 0
-        return buf
+        return buf._pin() if pin else buf
+
+    def _pin(self) -> SharedBuffer:
+        if self.nbytes:
+            self._pinned = torch.cuda.cudart().cudaHostRegister(self._base, self.nbytes, 0) == 0
+        return self
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
         """t copied to the buffer's start (one copy, complete on return)."""

@@ -24,6 +24,7 @@ import struct
 import time
 
 from google.protobuf.message import DecodeError
+import torch
 
 from common import frames
 from common.errors import InvalidRequest
@@ -107,7 +108,7 @@ class LocalServer:
         if not self.servicer.engine.info.target_hidden_layers:
             return None
         try:
-            return SharedBuffer.create()
+            return SharedBuffer.create(pin=torch.cuda.is_available())
         except OSError as e:
             log.warning("no shared buffer for hidden states (%s): they travel in the "
                         "messages", e)

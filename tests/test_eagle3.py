@@ -328,19 +328,17 @@ def test_shipped_head_speculates_on_the_shipped_target(envelope):
 
 
 
-def test_a_steps_hidden_states_reach_the_device_in_one_copy(head_dir):
-    """stage(): every well-formed row of a request in one gather and one copy (views of
-    one tensor, not the carrier's buffer); None and a wrong shape stay as they came."""
-    from draft_service.config import DraftConfig
-    from draft_service.registry import build_proposer
-    from common.tree import envelope_from
-    p = build_proposer(DraftConfig(method="eagle3", envelope=envelope_from("chain4"),
-                                   model=str(head_dir), device="cpu"))
-    c = p.feature_size
-    carrier = torch.randn(9, c)
-    given = [carrier[:4], None, torch.randn(3, c + 1), carrier[4:9]]
-    got = p.stage(given)
-    assert got[1] is None and got[2] is given[2]
-    assert torch.equal(got[0], given[0]) and torch.equal(got[3], given[3])
-    assert got[0].untyped_storage().data_ptr() == got[3].untyped_storage().data_ptr()
+def test_a_steps_hidden_states_reach_the_device_in_one_copy():
+    """one_copy (stage()'s, for rows in the carrier's pinned buffer): rows lying together
+    in one storage come back as views of one new tensor, equal and in their order; rows
+    of separate storages, or scattered wide apart, are left to the per-row copies."""
+    from draft_service.feature_drafter import one_copy
+    carrier = torch.randn(40, 8, dtype=torch.bfloat16)
+    given = [carrier[4:8], carrier[0:3], carrier[8:9]]
+    got = one_copy(given, "cpu", torch.float32)
+    assert all(torch.equal(g, w.float()) for g, w in zip(got, given))
+    assert len({g.untyped_storage().data_ptr() for g in got}) == 1
     assert got[0].untyped_storage().data_ptr() != carrier.untyped_storage().data_ptr()
+    assert one_copy([carrier[:2], torch.randn(2, 8, dtype=torch.bfloat16)], "cpu",
+                    torch.float32) is None
+    assert one_copy([carrier[:2], carrier[30:32]], "cpu", torch.float32) is None
