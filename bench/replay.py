@@ -105,8 +105,6 @@ class ShadowReplay:
         self.levels = getattr(inner, "levels", False)
         self.vocab_size = inner.vocab_size
         self.target_hidden_layers = inner.target_hidden_layers
-        if hasattr(inner, "stage"):     # the draft engine's one copy of a step's hidden states
-            self.stage = inner.stage
 
     def update(self, seq_id, tokens, new_count, accepted_nodes, hidden) -> None:
         self.inner.update(seq_id, tokens, new_count, accepted_nodes, hidden)

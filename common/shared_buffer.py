@@ -5,8 +5,8 @@ On the same-host carrier (common/frames.py) a draft that reads target hidden sta
 its hello. The verify service maps it (registered with CUDA where it can be, so the
 device writes into it directly), copies a step's hidden states into it in one
 device-to-host copy, and its request says only where they lie
-(``Tensor.shared_offset``); the draft reads them from the same pages into its own
-memory. No protobuf bytes, no socket copies: on the H200 host 24 KB a token through
+(``Tensor.shared_offset``); the draft reads them from the same pages (registered
+with CUDA on its side too) into its own memory. No protobuf bytes, no socket copies: on the H200 host 24 KB a token through
 protobuf ran at about 0.3 GB/s and a batch of 32 new 1024-token prompts took about
 100 steps to cross (bench/NOTES.md, twelfth session).
 
@@ -45,9 +45,9 @@ class SharedBuffer:
 
     @classmethod
     def create(cls, nbytes: int = SHARED_BYTES, pin: bool = False) -> SharedBuffer | None:
-        """A new buffer (the draft's side, registered with CUDA when pin is set and CUDA
-        takes it, so a step's states reach its device in one asynchronous copy), or None
-        where there is no /dev/shm."""
+        """A new buffer (the draft's side), or None where there is no /dev/shm; registered
+        with CUDA when pin is set and CUDA takes it (the draft's copies of a step's rows
+        to its device then skip the driver's bounce buffer)."""
         if not os.path.isdir(SHM_DIR):
             return None
         path = os.path.join(SHM_DIR, f"treespec-hidden-{secrets.token_hex(8)}")

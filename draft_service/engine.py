@@ -133,9 +133,6 @@ class DraftEngine:
             return SpecResponse(req.step_id, [], TreeBatch.padding(0, self.env.num_nodes), [])
         ids = [u.seq_id for u in req.seqs]
         try:
-            if hasattr(self.proposer, "stage"):         # hidden states: one copy a step
-                for u, h in zip(req.seqs, self.proposer.stage([u.hidden for u in req.seqs])):
-                    u.hidden = h
             live = [r for r, u in enumerate(req.seqs) if self._apply(u)]
             evicted = self._evict()
             live = [r for r in live if ids[r] not in evicted]

@@ -51,7 +51,7 @@ class FeatureDrafter(KVDrafter):
                 f"drafter needs [{new_count}, {c}] (layers {list(self.target_hidden_layers)} "
                 "of the target it was trained for)")
         st = self.state(seq_id)
-        # a host tensor may be the carrier's reused buffer: copied; stage()'s are our own
+        # a host tensor may be the carrier's reused buffer: copied
         rows = hidden.to(self.head.device, self.head.dtype, copy=hidden.device.type == "cpu")
         if new_count == len(tokens):          # from nothing: s_0 has no pair
             self.cache.release(st.pages)
@@ -60,48 +60,8 @@ class FeatureDrafter(KVDrafter):
             st.feats.append(rows)
         st.tokens = tokens
 
-    def stage(self, hidden: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """A request's hidden states on the device in one copy where they lie together in
-        pinned memory (the carrier's shared buffer, registered with CUDA), as views; the
-        rest stay as they came, for update to copy a row at a time (or refuse). Measured
-        on the H200 (bench/NOTES.md, seventeenth session): a gather into pageable memory
-        and one copy cost more than a copy a row."""
-        ok = [i for i, h in enumerate(hidden)
-              if h is not None and h.dim() == 2 and h.shape[1] == self.feature_size]
-        if len(ok) < 2 or self.head.device.type != "cuda" or not hidden[ok[0]].is_pinned():
-            return hidden
-        views = one_copy([hidden[i] for i in ok], self.head.device, self.head.dtype)
-        if views is None:
-            return hidden
-        out = list(hidden)
-        for i, v in zip(ok, views):
-            out[i] = v
-        return out
-
     def _units(self, st: FeatureSeq) -> int:
         return len(st.tokens) - 1
 
     def _inputs(self, st: FeatureSeq, lo: int, hi: int) -> tuple[list[int], list[torch.Tensor]]:
         return st.tokens[lo + 1:hi + 1], [st.feats.rows[lo:hi]]
-
-
-def one_copy(rows: list[torch.Tensor], device: torch.device | str,
-             dtype: torch.dtype) -> list[torch.Tensor] | None:
-    """Host rows that lie in one storage, on device in one copy of the span they cover
-    (asynchronous from pinned memory, complete on return: the carrier reuses its buffer
-    once answered), as views in their order; None where they do not lie together."""
-    first = rows[0]
-    storage = first.untyped_storage()
-    if any(r.untyped_storage().data_ptr() != storage.data_ptr() or r.dtype != first.dtype
-           or not r.is_contiguous() for r in rows):
-        return None
-    lo = min(r.storage_offset() for r in rows)
-    hi = max(r.storage_offset() + r.numel() for r in rows)
-    if hi - lo > 2 * sum(r.numel() for r in rows):
-        return None                    # scattered: the span would copy more than the rows
-    span = first.new_empty(0).set_(storage, lo, (hi - lo,))
-    on = span.to(device, non_blocking=True, copy=True).to(dtype)
-    if on.is_cuda:
-        torch.cuda.current_stream(on.device).synchronize()
-    return [on[r.storage_offset() - lo:r.storage_offset() - lo + r.numel()].view(r.shape)
-            for r in rows]

@@ -327,18 +327,3 @@ def test_shipped_head_speculates_on_the_shipped_target(envelope):
     assert (s["accepted_tokens"] + s["steps"]) / s["steps"] > 1.5
 
 
-
-def test_a_steps_hidden_states_reach_the_device_in_one_copy():
-    """one_copy (stage()'s, for rows in the carrier's pinned buffer): rows lying together
-    in one storage come back as views of one new tensor, equal and in their order; rows
-    of separate storages, or scattered wide apart, are left to the per-row copies."""
-    from draft_service.feature_drafter import one_copy
-    carrier = torch.randn(40, 8, dtype=torch.bfloat16)
-    given = [carrier[4:8], carrier[0:3], carrier[8:9]]
-    got = one_copy(given, "cpu", torch.float32)
-    assert all(torch.equal(g, w.float()) for g, w in zip(got, given))
-    assert len({g.untyped_storage().data_ptr() for g in got}) == 1
-    assert got[0].untyped_storage().data_ptr() != carrier.untyped_storage().data_ptr()
-    assert one_copy([carrier[:2], torch.randn(2, 8, dtype=torch.bfloat16)], "cpu",
-                    torch.float32) is None
-    assert one_copy([carrier[:2], carrier[30:32]], "cpu", torch.float32) is None
