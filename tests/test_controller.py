@@ -253,3 +253,23 @@ def test_a_sequences_counts_survive_another_ending():
     assert np.array_equal(c.tried[[3]], before[0]) and np.array_equal(c.hit[[3]], before[1])
     assert before[0].tolist() == [[1, 1, 1, 0]] and before[1].tolist() == [[1, 1, 0, 0]]
     assert not c.tried[9].any() and c.slots([42]).tolist() == [9]
+
+
+def test_a_try_whose_rows_all_came_back_syncing_is_made_again():
+    """A try sent without waiting (its catch-up longer than a step) returns no tree:
+    the next step tries again, when the draft has caught up, instead of counting the
+    try as made and resting twice as long having learnt nothing."""
+    world = World([0.0] * 8, {0: 1.0, 1: 1.3, 2: 1.35, 4: 1.45})
+    ctl, ids = Controller(), list(range(100, 108))
+    world.run(ctl, 60)
+    for _ in range(600):
+        plan = ctl.plan(world.info, ids, list(range(8)), 8)
+        if plan.forced:
+            break
+        ctl.observe(plan, ids, [0] * len(plan.rows), 8, 1.0)
+    assert plan.forced
+    ctl.observe(plan, ids, [-1] * 8, 8, None, True)
+    again = ctl.plan(world.info, ids, list(range(8)), 8)
+    assert again.forced and again.rows == plan.rows
+    ctl.observe(again, ids, [0] * 8, 8, 1.45)
+    assert not ctl.plan(world.info, ids, list(range(8)), 8).forced

@@ -97,3 +97,17 @@ def test_warm_up_and_first_captures_cover_every_batch_bucket_to_max_batch(target
     v.step(pages, first, tree, depth=2)
     assert v.buckets.batches((2, (), 0, 0, 0)) == want
     assert len(v.buckets.graphs) == 4 * len(want)
+
+
+def test_a_drafts_budgets_are_captured_when_it_connects(target_dir):
+    """A draft's handshake (its hidden layers, the controller's budgets) warms each
+    budget's graph at every bucket too: the first non-empty tree of a batch (n-gram on
+    prompts without matches: none until batch 32 on the H200) stalls nothing."""
+    model = Qwen3Model.from_pretrained(target_dir)
+    v = Verifier(model, model.new_cache(64, 4), ops, max_batch=20)
+    budgets = [(4, 4), (2, 2), (1, 1)]
+    assert v.use_draft((1,), budgets) == (model.device.type == "cuda")
+    assert not v.use_draft((1,), budgets)           # the same draft again: nothing new
+    v.warm_up()
+    for w, _ in budgets:
+        assert v.buckets.batches((w, (1,), 0, 0, 0)) == [1, 2, 4, 8, 16, 32]

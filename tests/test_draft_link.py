@@ -125,13 +125,15 @@ def test_a_catch_up_predicted_late_is_sent_without_waiting():
     whose catch-up it predicts past half the deadline is sent without waiting (the step
     decodes plain at once, its row syncing) instead of waiting out the deadline. The
     draft's time on such a request is kept for the controller (a try's cost) when it
-    brings back a sequence the draft held, not when it brings a new prompt."""
+    brings back a sequence the draft held, not when it brings a new prompt. Given the
+    step's cost, a catch-up predicted longer than that step is not waited for either,
+    however long the deadline (the batch would commit nothing meanwhile)."""
     def seq(i: int) -> Sequence:
         return Sequence(GenRequest(prompt_ids=tuple(range(1, 61)) * 20, max_tokens=2000),
                         frozenset(), 4000, seq_id=2000 + i)
 
     async def go():
-        server, link = await _linked(ScriptedDrafter({1: 0.3, 2: 0.3, 3: 0.3}))
+        server, link = await _linked(ScriptedDrafter({1: 0.3, 2: 0.3, 3: 0.3, 4: 0.3}))
         back = seq(0)
         try:
             first = await link.propose([back], {})              # 1200 tokens in ~0.3 s
@@ -145,15 +147,20 @@ def test_a_catch_up_predicted_late_is_sent_without_waiting():
             back.commit([7] * 1200)                             # back from a long rest
             third = await link.propose([back], {})
             await asyncio.sleep(0.5)
-            return first, rate, second, waited, fresh, third, link.take_unwaited(), \
-                link.take_unwaited()
+            spent, again = link.take_unwaited(), link.take_unwaited()
+            back.commit([7] * 1200)
+            link.deadline_s = 10.0
+            fourth = await link.propose([back], {}, 0, 0.05)    # ~0.3 s > a 50 ms step
+            return first, rate, second, waited, fresh, third, spent, again, fourth
+
         finally:
             await link.close()
             await server.stop(0.2)
 
-    first, rate, second, waited, fresh, third, spent, again = asyncio.run(go())
+    first, rate, second, waited, fresh, third, spent, again, fourth = asyncio.run(go())
     assert first.trees is not None and 1200 / 0.6 < rate < 1200 / 0.3
     assert second.trees is None and second.fallback is None and second.syncing == [0]
     assert waited < 0.15 and second.fresh and fresh == 0.0
     assert third.trees is None and third.catch_up and not third.fresh
     assert 0.25 < spent < 0.5 and again == 0.0
+    assert fourth.trees is None and fourth.syncing == [0] and fourth.catch_up

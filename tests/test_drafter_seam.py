@@ -34,7 +34,7 @@ class ContinuationDrafter:
         self.released: list[int] = []
         self.steps = 0
 
-    async def propose(self, seqs, trace, depth=0) -> Drafted:
+    async def propose(self, seqs, trace, depth=0, step_s=None) -> Drafted:
         self.steps += 1
         rows = []
         for s in seqs:

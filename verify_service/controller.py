@@ -204,6 +204,8 @@ class Controller:
 
     def shapes(self, env: TreeEnvelope) -> list[tuple[int, int]]:
         """(tree width, depth) of each budget this controller may choose."""
+        if self.mode == "off":
+            return []
         depths = budget_depths(env) if self.mode == "adaptive" else (env.depth,)
         return [(budget_nodes(env, d), d) for d in depths]
 
@@ -230,11 +232,11 @@ class Controller:
         self.steps += 1
         if self.mode != "adaptive" or self.batch is None:
             return
-        if plan.depth:
+        got = [(r, a) for r, a in zip(plan.rows, accepted) if a >= 0]   # -1: syncing
+        if plan.depth and (got or not plan.forced):     # a try all syncing: tried again
             self._plain_run, self._settled = 0, None
             self._retry = max(min(2 * self._retry, MAX_RETRY) if plan.forced else 16,
                               self._rest_floor(b))
-            got = [(r, a) for r, a in zip(plan.rows, accepted) if a >= 0]   # -1: syncing
             if got:
                 slots = self.seqs.slots([seq_ids[r] for r, _ in got])
                 tried, hit = self.seqs.add(slots, plan.depth, np.array([a for _, a in got]))

@@ -199,7 +199,8 @@ class DraftLink:
 
     async def _send_only(self, seqs: list[Sequence], out: Outgoing) -> Drafted:
         """A request whose every row is still being synced (its trees would go unused),
-        or whose catch-up the draft is predicted to take past half the deadline (a
+        or whose catch-up the draft is predicted to take past the step's cost or half
+        the deadline (a
         batch of new prompts, sequences back from a rest: new tokens over the measured
         catch_up_rate): sent without waiting, so the step decodes plain while the draft
         takes it in (the answer only frees the draft for the next request)."""
@@ -243,9 +244,11 @@ class DraftLink:
         return spent
 
     async def propose(self, seqs: list[Sequence], trace: dict[str, str],
-                      depth: int = 0) -> Drafted:
+                      depth: int = 0, step_s: float | None = None) -> Drafted:
         """Send one step's request and wait up to the deadline for its answer: one
-        future, completed by the stream reader, a timer or a dropped connection."""
+        future, completed by the stream reader, a timer or a dropped connection.
+        step_s: what the step costs, when known: a catch-up predicted longer is sent
+        without waiting (waiting, the whole batch commits nothing meanwhile)."""
         if not self.ready:
             return Drafted(None, "disconnected")
         if self._outstanding is not None:
@@ -256,8 +259,9 @@ class DraftLink:
         self._sent = (step, new, time.time_ns())
         if out.rows and set(out.rows) <= set(out.syncing):
             return await self._send_only(seqs, out)
+        late = self.deadline_s / 2 if step_s is None else min(step_s, self.deadline_s / 2)
         if (self.catch_up_rate and out.catch_up(self._info.envelope.depth)
-                and new / self.catch_up_rate > self.deadline_s / 2):
+                and new / self.catch_up_rate > late):
             out.syncing = list(out.rows)    # its trees would come too late to wait for
             return await self._send_only(seqs, out)
         loop = asyncio.get_running_loop()

@@ -58,11 +58,12 @@ class Drafter(Protocol):
         """Whether a step asked now can get trees."""
 
     async def propose(self, seqs: list[Sequence], trace: dict[str, str],
-                      depth: int = 0) -> Drafted:
+                      depth: int = 0, step_s: float | None = None) -> Drafted:
         """Trees for these sequences (their committed tokens, the path accepted from
         their last tree, their target hidden states when the draft reads them);
         trace: the W3C carrier of the step's span ({} when untraced); depth: nodes
-        deeper will not be verified (0: the whole envelope)."""
+        deeper will not be verified (0: the whole envelope); step_s: the step's
+        expected cost, if known (a longer catch-up is not worth waiting for)."""
 
     def release(self, seq_ids: list[int]) -> None:
         """These sequences ended; the draft may forget them."""

@@ -48,7 +48,6 @@ class VerifyEngine:
                  observer: EngineObserver | None = None,
                  sampling_defaults: dict | None = None, max_waiting: int = 1024,
                  speculation: str = "adaptive") -> None:
-        self.model = model
         self.spec = model.spec
         self.cache = model.new_cache(num_blocks, block_size)
         self.verifier = Verifier(model, self.cache, select(model.device, kernels), True, max_batch)
@@ -146,10 +145,11 @@ class VerifyEngine:
                 await self._wake.wait()
                 continue
             try:
-                if self.link is not None and self.link.info is not None:
-                    # capture what the drafter reads, from before any prefill it needs
-                    self.verifier.capture_layers = self.link.info.target_hidden_layers
-                    self.verifier.budgets = self.controller.shapes(self.link.info.envelope)
+                info = self.link.info if self.link is not None else None
+                if info is not None and self.verifier.use_draft(
+                        info.target_hidden_layers, self.controller.shapes(info.envelope)):
+                    log.info("verify warm-up for the draft's budgets took %.1f s",
+                             await self.runner.compute(self.verifier.warm_up))
                 await self._admit()
                 if self.running:
                     await self._step()
@@ -245,7 +245,7 @@ class VerifyEngine:
             return Drafted(None, "off_by_controller"), plan
         rows = plan.rows
         got = await self.link.propose([seqs[i] for i in rows], self.observer.draft_context(),
-                                      plan.depth)
+                                      plan.depth, plan.cost_s)
         if got.trees is not None:
             t = got.trees
             why = "wrong number of rows" if len(t) != len(rows) else validate_tree(

@@ -72,14 +72,24 @@ class Verifier:
 
     def warm_up(self) -> float:
         """Capture plain decode's graphs (greedy, and drawing from the top-k first or
-        from the whole vocabulary) at every batch bucket up to max_batch's, first page
-        bucket, so that no early request stalls on one; the seconds taken."""
+        from the whole vocabulary) and each budget's greedy graph at every batch bucket
+        up to max_batch's, first page bucket, so that no early request stalls on one
+        (nor a batch on a budget's first non-empty tree); the seconds taken."""
         t0 = time.perf_counter()
         gb = self.buckets
-        for width in (0, TOPK_FIRST, -1):
-            self._graph((0, self.capture_layers, width, 0, 0), 0, bucket(gb.max_batch),
-                        gb.min_pages)
+        for family, depth in [((0, self.capture_layers, width, 0, 0), 0)
+                              for width in (0, TOPK_FIRST, -1)] + \
+                [((w, self.capture_layers, 0, 0, 0), d) for w, d in self.budgets]:
+            self._graph(family, depth, bucket(gb.max_batch), gb.min_pages)
         return time.perf_counter() - t0
+
+    def use_draft(self, layers: tuple[int, ...], budgets: list[tuple[int, int]]) -> bool:
+        """Serve a draft that reads these target layers (set before any prefill it
+        needs), with these budgets; whether that changed the graphs steps need (then
+        warm_up again, where graphs capture)."""
+        changed = (layers, budgets) != (self.capture_layers, self.budgets)
+        self.capture_layers, self.budgets = layers, budgets
+        return changed and self.buckets.capture and self.cache.device.type == "cuda"
 
     @torch.inference_mode()
     def prefill(self, pages: list[SeqPages], prompts: list[list[int]],
