@@ -273,3 +273,30 @@ def test_a_try_whose_rows_all_came_back_syncing_is_made_again():
     assert again.forced and again.rows == plan.rows
     ctl.observe(again, ids, [0] * 8, 8, 1.45)
     assert not ctl.plan(world.info, ids, list(range(8)), 8).forced
+
+
+def test_a_depth_not_reached_lately_is_expected_to_do_as_well_as_the_one_above(
+        monkeypatch):
+    """A sequence whose first drafts failed (the demo's prompt: the first tokens past it
+    are hard to draft) and then accepted everything at depth 1 is tried deeper and
+    reaches the envelope's depth; a depth the budgets have not reached is not stuck at
+    its old failures shrunk toward a flat prior. The positive control: shrunk toward the
+    flat prior alone, it stays at depth 2 for good (the CPU demo stayed at depth 1 for
+    115 steps accepting every draft)."""
+    import verify_service.controller as c
+    cost = {0: 1.0, 1: 1.3, 2: 1.5, 4: 1.9}
+
+    def depths() -> list[int]:
+        ctl, world, got, first = Controller(), World([0.0], cost), [], [0, 0, 1, 1, 0, 1]
+        for _ in range(200):
+            plan = ctl.plan(world.info, [100], [0], 1)
+            acc = [min(plan.depth, first.pop(0)) if first else plan.depth] \
+                if plan.depth else []
+            ctl.observe(plan, [100], acc, 1, cost[plan.depth])
+            got.append(plan.depth)
+        return got
+
+    assert set(depths()[40:]) == {4}
+    monkeypatch.setattr(c.Counts, "rates", lambda self, slots, prior, weight: (
+        self.hit[slots] + weight * prior) / (self.tried[slots] + weight))
+    assert 4 not in depths()[40:]

@@ -11,8 +11,9 @@ maximises expected committed tokens per second of the batch::
 over the B sequences, the sum over those asked for a tree. E_i[min(L_i, d)] =
 sum_{k <= d} prod_{j <= k} c_ij, where c_ij is the rate at which sequence i's drafts
 were accepted at depth j when depth j - 1 was (decayed counts; a step verified to
-depth d says nothing past d, so an unused depth drifts back to the prior and is
-tried again), shrunk toward the batch's rates while a sequence has few steps.
+depth d says nothing past d, so an unused depth drifts back to the prior, or to the
+rate of the depth above where that is higher, and is tried again), shrunk toward the
+batch's rates while a sequence has few steps.
 cost(d, b) is the measured wall time of whole steps (draft, hop, verify, commit)
 at batch bucket b, a running average per (d, b) that leaves out steps that captured
 a graph or where the draft caught up with a sequence (new, or back from a rest); a
@@ -106,7 +107,17 @@ class Counts:
         return tried, hit
 
     def rates(self, slots: np.ndarray, prior: np.ndarray, weight: float) -> np.ndarray:
-        return (self.hit[slots] + weight * prior) / (self.tried[slots] + weight)
+        """Each depth's rate shrunk toward the prior or, where higher, toward the rate
+        of the depth above: a depth the budgets have not reached lately is expected to
+        do as well as the one above it (else a sequence whose first drafts failed and
+        then accepted every one at depth 1 is never tried deeper)."""
+        hit, tried = self.hit[slots], self.tried[slots]
+        out = np.empty_like(hit)
+        above = np.zeros(len(slots))
+        for j in range(hit.shape[1]):
+            toward = np.maximum(prior[..., j], above)
+            out[:, j] = above = (hit[:, j] + weight * toward) / (tried[:, j] + weight)
+        return out
 
 
 def expected(rates: np.ndarray) -> np.ndarray:
