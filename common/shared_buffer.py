@@ -6,9 +6,10 @@ its hello. The verify service maps it (registered with CUDA where it can be, so 
 device writes into it directly), copies a step's hidden states into it in one
 device-to-host copy, and its request says only where they lie
 (``Tensor.shared_offset``); the draft reads them from the same pages (registered
-with CUDA on its side too) into its own memory. No protobuf bytes, no socket copies: on the H200 host 24 KB a token through
-protobuf ran at about 0.3 GB/s and a batch of 32 new 1024-token prompts took about
-100 steps to cross (bench/NOTES.md, twelfth session).
+with CUDA on its side too) into its own memory. No protobuf bytes, no socket copies:
+on the H200 host 24 KB a token through protobuf ran at about 0.3 GB/s and a batch of
+32 new 1024-token prompts took about 100 steps to cross (bench/NOTES.md, twelfth
+session).
 
 One request is in flight on a connection at a time (the verify service sends the
 next only after the answer), so a request's states always start at offset 0 and

@@ -23,8 +23,8 @@ import socket
 import struct
 import time
 
-from google.protobuf.message import DecodeError
 import torch
+from google.protobuf.message import DecodeError
 
 from common import frames
 from common.errors import InvalidRequest

@@ -152,7 +152,6 @@ def test_a_catch_up_predicted_late_is_sent_without_waiting():
             link.deadline_s = 10.0
             fourth = await link.propose([back], {}, 0, 0.05)    # ~0.3 s > a 50 ms step
             return first, rate, second, waited, fresh, third, spent, again, fourth
-
         finally:
             await link.close()
             await server.stop(0.2)

@@ -325,5 +325,3 @@ def test_shipped_head_speculates_on_the_shipped_target(envelope):
     assert out.token_ids == greedy_reference(target, prompt, 32)
     s = out.stats
     assert (s["accepted_tokens"] + s["steps"]) / s["steps"] > 1.5
-
-

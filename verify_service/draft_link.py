@@ -200,10 +200,10 @@ class DraftLink:
     async def _send_only(self, seqs: list[Sequence], out: Outgoing) -> Drafted:
         """A request whose every row is still being synced (its trees would go unused),
         or whose catch-up the draft is predicted to take past the step's cost or half
-        the deadline (a
-        batch of new prompts, sequences back from a rest: new tokens over the measured
-        catch_up_rate): sent without waiting, so the step decodes plain while the draft
-        takes it in (the answer only frees the draft for the next request)."""
+        the deadline (a batch of new prompts, sequences back from a rest: new tokens
+        over the measured catch_up_rate): sent without waiting, so the step decodes
+        plain while the draft takes it in (the answer only frees the draft for the next
+        request)."""
         # a try's cost is a returning sequence's catch-up; a new one's prompt is paid once
         self._outstanding = step = out.request.step_id
         self._blind = 0 if out.fresh else step
