@@ -19,24 +19,31 @@ def test_tokens_guard_both_hops(target_dir, tmp_path):
     wrong.write_text("not-a-token\n")
     good = tmp_path / "good"
     good.write_text("second-token\n")
-    draft = services.start_draft("ngram", "--local-socket", "off", "--api-key-file", str(keys))
-    with draft, services.start_verify(target_dir, "--api-key-file", str(keys),
-                                      "--draft-api-key-file", str(good), draft=draft.addr) as v:
-        health = services.run_cli("health", "--addr", v.addr)
-        assert health.returncode == 0 and health.stdout.strip() == "SERVING"
-        for flags in ((), ("--api-key-file", str(wrong))):
-            proc = services.run_cli(*services.generate_args(v.addr, PROMPT, 4, *flags))
-            assert proc.returncode == 1 and "UNAUTHENTICATED" in proc.stderr, proc.stderr
-            assert "Traceback" not in proc.stderr
-        out = services.generate_json(v.addr, PROMPT, 16, "--ignore-eos",
-                                     "--api-key-file", str(good))
-        assert out["stats"]["draft_tokens"] > 0, out["stats"]
-    with services.start_draft("ngram", "--local-socket", "off", "--api-key-file",
-                              str(keys)) as draft, \
-            services.start_verify(target_dir, "--reconnect-s", "0.3", "--draft-api-key-file",
-                                  str(wrong), draft=draft.addr) as v:
-        out = services.generate_json(v.addr, PROMPT, 8, "--ignore-eos")
-        time.sleep(1.5)
-        lines = [x for x in v.output().splitlines() if "unavailable" in x]
+    # two pairs at once; each draft is up before its verify starts, so the second
+    # verify's one line can only be about its token
+    guarded = services.draft_argv("ngram", "--local-socket", "off", "--api-key-file", str(keys))
+    with services.at_once(guarded, guarded) as (draft, draft2), services.at_once(
+            services.verify_argv(target_dir, "--api-key-file", str(keys),
+                                 "--draft-api-key-file", str(good), draft=draft.addr),
+            services.verify_argv(target_dir, "--reconnect-s", "0.3", "--draft-api-key-file",
+                                 str(wrong), draft=draft2.addr)) as (v, v2):
+        up = time.monotonic()
+        services.wait_draft_connected(v, api_key="second-token")
+        health, *refused, ok, plain = services.run_clis(
+            ["health", "--addr", v.addr],
+            services.generate_args(v.addr, PROMPT, 4),
+            services.generate_args(v.addr, PROMPT, 4, "--api-key-file", str(wrong)),
+            services.generate_args(v.addr, PROMPT, 16, "--ignore-eos", "--json",
+                                   "--api-key-file", str(good)),
+            services.generate_args(v2.addr, PROMPT, 8, "--ignore-eos", "--json"))
+        time.sleep(max(0.0, up + 2.0 - time.monotonic()))    # several reconnect attempts
+        lines = [x for x in v2.output().splitlines() if "unavailable" in x]
+    assert health.returncode == 0 and health.stdout.strip() == "SERVING"
+    for proc in refused:
+        assert proc.returncode == 1 and "UNAUTHENTICATED" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+    out = services.parse_json(ok)
+    assert out["stats"]["draft_tokens"] > 0, out["stats"]
+    out = services.parse_json(plain)
     assert out["stats"]["draft_tokens"] == 0 and len(out["token_ids"]) == 8
     assert len(lines) == 1 and "UNAUTHENTICATED" in lines[0], lines

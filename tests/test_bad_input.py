@@ -63,17 +63,28 @@ def test_a_long_prompt_does_not_stall_other_streams():
     assert worst < 0.5, (worst, took)
 
 
-@pytest.mark.parametrize("flags, says", [
+REFUSED = [
     (("--max-model-len", "-1"), "--max-model-len must be >= 0"),
     (("--max-model-len", "99999999"), "past the checkpoint's 2048 positions"),
     (("--tls-cert", "/nonexistent.pem"), "--tls-cert and --tls-key go together"),
     (("--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"), "No such file"),
     (("--max-waiting", "0"), "--max-waiting must be >= 1"),
-])
-def test_a_refused_flag_is_one_line_and_exit_code_2(flags, says):
-    import services
-    proc = services.run_cli("verify", "--model", TARGET, "--port", "0", "--device", "cpu",
-                            *flags)
+]
+
+
+@pytest.fixture(scope="module")
+def refusals() -> dict:
+    """`treespec verify` with each refused flag, the processes run together (each
+    spends seconds importing torch before it refuses)."""
+    import services as cli
+    procs = cli.run_clis(*[("verify", "--model", TARGET, "--port", "0", "--device", "cpu",
+                            *flags) for flags, _ in REFUSED])
+    return {flags: proc for (flags, _), proc in zip(REFUSED, procs)}
+
+
+@pytest.mark.parametrize("flags, says", REFUSED)
+def test_a_refused_flag_is_one_line_and_exit_code_2(flags, says, refusals):
+    proc = refusals[flags]
     assert proc.returncode == 2 and says in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 

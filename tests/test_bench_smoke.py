@@ -1,7 +1,10 @@
 """The GPU benchmark's whole path, at a tiny shape on the CPU: every section runs,
 every key the issue names is written, and the replay instrument does what it is
 for (controlled acceptance, output equal to plain decode). A broken bench found
-here costs nothing; found on the H200 it costs device minutes."""
+here costs nothing; found on the H200 it costs device minutes. And `treespec
+bench-accept` as users run it, on the shipped tiny-code pair (its TRAINING.json names
+the held-out files): both services as child processes, every row identical to plain
+greedy, the table and the JSON rows consistent."""
 
 from __future__ import annotations
 
@@ -10,18 +13,64 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from common.launch import child_env, cli_command
+
 ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--target-shape", "tiny", "--draft-shape", "tiny", "--device", "cpu"]
 
 
-def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
-    out = tmp_path / "h200.json"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "h200.py"), "--out", str(out),
-                    "--target-shape", "tiny", "--draft-shape", "tiny", "--device", "cpu",
-                    "--ctx", "32", "--max-tokens", "16", "--batches", "1", "--nodes", "0,4",
-                    "--ab-grpc",
-                    "--work", str(tmp_path / "work")],
-                   check=True, timeout=300, cwd=ROOT, capture_output=True)
-    r = json.loads(out.read_text())
+def bench_argv(name: str, d: Path) -> tuple[list[str], dict[str, str] | None]:
+    """The command of each run (and its environment, None: this one), writing d/out.json."""
+    out = str(d / "out.json")
+    script = [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--out", out, *TINY,
+              "--work", str(d / "work")]
+    if name == "h200":
+        return script + ["--ctx", "32", "--max-tokens", "16", "--batches", "1",
+                         "--nodes", "0,4", "--ab-grpc"], None
+    if name == "drafters":
+        # the verify's deadline as the in-process tests have it (tests/inproc.py): with
+        # the other runs beside it, a CPU step can pass the served 100 ms default
+        return script + ["--ctx", "24", "--max-tokens", "9", "--batches", "1",
+                         "--configs", "eagle3:chain4",
+                         "--verify-args=--speculation always --step-deadline-ms 5000"], None
+    assert name == "bench-accept"
+    return cli_command("bench-accept", "--methods", "ngram,model", "--envelopes", "chain4",
+                       "--files", "2", "--prompt-tokens", "48", "--max-tokens", "16",
+                       "--device", "cpu", "--json", out), child_env()
+
+
+@pytest.fixture(scope="module")
+def benches(tmp_path_factory):
+    """The three runs, started together (each spends most of its time starting services,
+    seconds of importing torch each); by name, a function that waits for that run and
+    gives its JSON and its standard output."""
+    runs = {}
+    for name in ("h200", "drafters", "bench-accept"):
+        d = tmp_path_factory.mktemp(name)
+        argv, env = bench_argv(name, d)
+        with open(d / "stdout", "w") as out, open(d / "stderr", "w") as err:
+            runs[name] = (d, subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err,
+                                              stdin=subprocess.DEVNULL))
+
+    def result(name: str) -> tuple[dict, str]:
+        d, proc = runs[name]
+        code = proc.wait(timeout=300)
+        stdout = (d / "stdout").read_text()
+        assert code == 0, stdout[-3000:] + (d / "stderr").read_text()[-3000:]
+        return json.loads((d / "out.json").read_text()), stdout
+    try:
+        yield result
+    finally:
+        for _, proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_h200_bench_runs_end_to_end_at_a_tiny_shape(benches):
+    r, _ = benches("h200")
     assert r["errors"] == {}
     for key in ("plain_tok_s", "hf_tok_s", "floor_tok_s", "verify_ms", "oracle4_tok_s",
                 "hop_share", "batch_tok_s"):
@@ -53,18 +102,11 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     assert e2e["model_b1"]["fallback_steps"] == 0 and "error" not in e2e["model_b1"]
 
 
-def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
+def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(benches):
     """bench/drafters.py: a real proposer (the EAGLE-3 head of the target's shape, with
     the target's embeddings) at random weights and under the shadow replay, beside
     plain decode in the same verify service."""
-    out = tmp_path / "drafters.json"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "drafters.py"), "--out", str(out),
-                    "--target-shape", "tiny", "--draft-shape", "tiny", "--device", "cpu",
-                    "--ctx", "24", "--max-tokens", "9", "--batches", "1",
-                    "--configs", "eagle3:chain4", "--work", str(tmp_path / "work"),
-                    "--verify-args=--speculation always"],
-                   check=True, timeout=300, cwd=ROOT, capture_output=True)
-    r = json.loads(out.read_text())
+    r, _ = benches("drafters")
     assert r["errors"] == {} and r["plain"]["1"]["tok_s"] > 0
     rand, shadow = r["rows"]["eagle3:chain4:random"]["1"], r["rows"]["eagle3:chain4:shadow"]["1"]
     assert rand["lossless"] and shadow["lossless"]
@@ -73,6 +115,18 @@ def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
     assert shadow["hop_draft_ms"] > 0 and rand["hop_draft_ms"] > 0
     for x in (rand, shadow):     # the draft's own metrics: its propose within its engine's step
         assert 0 < x["draft_propose_ms"] <= x["draft_engine_ms"]
+
+
+def test_bench_accept_rows_are_lossless(benches):
+    rows, stdout = benches("bench-accept")
+    assert [(r["proposer"], r["envelope"]) for r in rows] == [("ngram", "chain4"),
+                                                            ("model", "chain4")]
+    for r in rows:
+        assert r["identical"] and 1.0 <= r["tokens_per_step"] <= 5.0
+        assert len(r["accept_by_depth"]) == 4
+        assert all(a >= b for a, b in zip(r["accept_by_depth"], r["accept_by_depth"][1:]))
+    assert rows[1]["tokens_per_step"] > 1.5          # the trained draft does accept
+    assert "| model | chain4 |" in stdout
 
 
 def test_replay_finds_a_prompt_that_arrives_in_parts():

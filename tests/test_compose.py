@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 import services
-from common.launch import cli_command, child_env
+from common.launch import cli_command
 from common.model_paths import resolve_model
 from otlp_receiver import OtlpReceiver
 from parallel_services import free_port, running
@@ -170,12 +170,10 @@ def test_compose_commands_serve_locally(overrides, proposer, tmp_path):
             procs.append((name, argv, env))
             test = svc["healthcheck"]["test"]
             assert test[:2] == ["CMD", "treespec"]
-            checks[name] = cli_command(*[_local(a, volumes, hosts) for a in test[2:]])
+            checks[name] = [_local(a, volumes, hosts) for a in test[2:]]
         with running(procs) as (draft, verify):
             assert verify.addr == f"127.0.0.1:{overrides['VERIFY_PORT']}"
-            for name, argv in checks.items():
-                proc = subprocess.run(argv, capture_output=True, text=True, timeout=30,
-                                      env=child_env())
+            for name, proc in zip(checks, services.run_clis(*checks.values(), timeout=30)):
                 assert proc.returncode == 0 and proc.stdout.strip() == "SERVING", (name, proc)
             murl = f"http://127.0.0.1:{overrides['VERIFY_METRICS_PORT']}/metrics"
             wait_connected(murl)

@@ -34,14 +34,31 @@ def wait_gone(pids: list[int], timeout: float = 15.0) -> bool:
     return not any(alive(p) for p in pids)
 
 
-@pytest.mark.parametrize("method", ["model", "dflash"])
-def test_demo_runs_and_reports(method):
-    flags = [] if method == "model" else ["--method", method]
-    proc = subprocess.run(cli_command("demo", "--max-tokens", "24", "--device", "cpu", *flags),
-                          capture_output=True, text=True, timeout=300, env=child_env(),
-                          stdin=subprocess.DEVNULL)
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr
+METHODS = ["model", "dflash"]
+
+
+@pytest.fixture(scope="module")
+def demos():
+    """A demo run of each method, all started together (each spends seconds importing
+    torch, then starts its own two services one after the other)."""
+    procs = {m: subprocess.Popen(
+        cli_command("demo", "--max-tokens", "24", "--device", "cpu",
+                    *([] if m == "model" else ["--method", m])),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+        stdin=subprocess.DEVNULL) for m in METHODS}
+    try:
+        yield procs
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_demo_runs_and_reports(method, demos):
+    out, err = demos[method].communicate(timeout=300)
+    assert demos[method].returncode == 0, out + err
     assert "shipped checkpoints tiny-code" in out and f"Proposer: {method}." in out
     assert f"tiny-code-{'draft' if method == 'model' else method} (draft)" in out
     assert re.search(r"^plain decode +[\d.]+ +24 +23 +0 +0 +1\.00 ", out, re.M), out

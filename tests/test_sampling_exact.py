@@ -117,6 +117,16 @@ def pvalues(target_dir, draft, method: str, acceptance: str, envelope: str,
     return out
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Client, verify and draft share this process, each forward on its own thread: at
+    one intra-op thread each they do not crowd two cores (the draws are the same)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # Rejection sampling on trees (siblings drawn without replacement) with both model
 # drafters; coupled acceptance with both too, one setting each: its tokens are plain
 # decode's under the same seeds with every drafter (tests/test_coupled_drafting.py).

@@ -22,6 +22,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 import services
 from common import frames
+from common.tls import ClientTLS
 from draft_service import server as draft_server
 from draft_service.config import DraftConfig
 from common.tree import envelope_from
@@ -88,33 +89,38 @@ def client_tls(c: dict, prefix: str = "--tls", cert: bool = True) -> tuple[str, 
     return flags
 
 
-def healthy(addr: str, *flags: str) -> bool:
-    proc = services.run_cli("health", "--addr", addr, "--timeout", "2", *flags)
+def healthy(proc) -> bool:
+    """A `treespec health` call's answer: SERVING."""
     return proc.returncode == 0 and proc.stdout.strip() == "SERVING"
 
 
-def test_a_tls_server_refuses_plaintext_and_mtls_refuses_clients_without_a_certificate(
-        target_dir, certs):
+def health(addr: str, *flags: str) -> list[str]:
+    return ["health", "--addr", addr, "--timeout", "2", *flags]
+
+
+def test_a_tls_server_refuses_plaintext(target_dir, certs):
     with services.start_verify(target_dir, *server_tls(certs)) as tls:
-        assert not healthy(tls.addr)
-        assert healthy(tls.addr, *client_tls(certs, cert=False))
-    with services.start_verify(target_dir, *server_tls(certs, mutual=True)) as mtls:
-        assert not healthy(mtls.addr, *client_tls(certs, cert=False))
-        assert healthy(mtls.addr, *client_tls(certs))
-        out = services.generate_json(mtls.addr, PROMPT, 6, *client_tls(certs))
-        assert len(out["token_ids"]) == 6
+        plaintext, ca_only = services.run_clis(health(tls.addr),
+                                               health(tls.addr, *client_tls(certs, cert=False)))
+    assert not healthy(plaintext)
+    assert healthy(ca_only)
 
 
 def test_two_addresses_with_mtls_on_both_hops_serve_plain_decodes_tokens(target_dir, certs):
-    draft = services.start_draft("ngram", "--host", "127.0.0.2", "--local-socket", "off",
-                                 *server_tls(certs, mutual=True))
-    with draft, services.start_verify(target_dir, "--host", "127.0.0.1",
-                                      *server_tls(certs, mutual=True),
-                                      *client_tls(certs, "--draft-tls"), draft=draft.addr) as v:
+    """The verify, mTLS, also refuses a client without a certificate."""
+    with services.stack(target_dir, "ngram", host="127.0.0.2",
+                        draft_args=("--local-socket", "off", *server_tls(certs, mutual=True)),
+                        verify_args=("--host", "127.0.0.1", *server_tls(certs, mutual=True),
+                                     *client_tls(certs, "--draft-tls")),
+                        tls=ClientTLS(certs["ca"], certs["client"]["cert"],
+                                      certs["client"]["key"])) as (draft, v):
         assert draft.addr.startswith("127.0.0.2:") and v.addr.startswith("127.0.0.1:")
+        no_cert, with_cert = services.run_clis(health(v.addr, *client_tls(certs, cert=False)),
+                                               health(v.addr, *client_tls(certs)))
         spec = services.generate_json(v.addr, PROMPT, 24, "--ignore-eos", *client_tls(certs))
         plain = services.generate_json(v.addr, PROMPT, 24, "--ignore-eos", "--no-speculation",
                                        *client_tls(certs))
+    assert not healthy(no_cert) and healthy(with_cert)
     assert spec["token_ids"] == plain["token_ids"]
     assert spec["stats"]["draft_tokens"] > 0, spec["stats"]        # the TLS hop carried trees
 
@@ -127,8 +133,9 @@ def test_a_verify_trusting_the_wrong_ca_serves_plain_decode_and_says_why_once(ta
                                  *server_tls(certs, mutual=True))
     with draft, services.start_verify(target_dir, "--reconnect-s", "0.3", *wrong,
                                       draft=draft.addr) as v:
+        up = time.monotonic()
         out = services.generate_json(v.addr, PROMPT, 8, "--ignore-eos")
-        time.sleep(1.5)                       # several reconnect attempts
+        time.sleep(max(0.0, up + 2.0 - time.monotonic()))   # several reconnect attempts
         lines = [x for x in v.output().splitlines() if "unavailable" in x]
     assert out["stats"]["draft_tokens"] == 0 and len(out["token_ids"]) == 8
     assert len(lines) == 1, lines

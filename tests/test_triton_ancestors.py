@@ -5,6 +5,8 @@ compiled with ``TRITON_INTERPRET=0`` on a GPU (see test_triton_kernels)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -39,22 +41,30 @@ def test_tree_ancestors_vs_reference(b, t):
     assert torch.equal(bits, mask)
 
 
-@pytest.mark.parametrize("block_n", [16, 64])
-def test_attention_with_precomputed_ancestors(block_n):
-    """Equal-length trees (as a fixed-shape verify step has) with the ancestor words
-    given: the same result as walking parents, and as the reference."""
+@functools.cache
+def _equal_length_case() -> tuple:
+    """Equal-length trees (as a fixed-shape verify step has) in a paged batch, and
+    attention over them walking parents (tiles of 16 keys): one interpreted walk serves
+    both tilings below."""
     g = torch.Generator().manual_seed(11)
     b, t = 2, 70
     par2 = _equal_trees(b, t, g)
-    chunks = par2.tolist()
-    nb, table, ctx, cu, par = build_batch(chunks, [5, 9], 4, 1, g)
+    nb, table, ctx, cu, par = build_batch(par2.tolist(), [5, 9], 4, 1, g)
     kc, vc = paged(nb, 4, 1, 16)
     q = torch.randn(int(cu[-1]), 2, 16, generator=g).to(DEV)
+    args = (q, kc, vc, table, ctx, cu, par, 0.3)
+    walked = attn_mod.paged_tree_attention(*args, block_m=32, block_n=16, num_splits=2)
+    return par2, args, walked
+
+
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_attention_with_precomputed_ancestors(block_n):
+    """The ancestor words given: the same result as walking parents, and as the
+    reference."""
+    par2, args, walked = _equal_length_case()
     anc = anc_mod.tree_ancestors(par2)
-    kw = dict(block_m=32, block_n=block_n, num_splits=2)
-    out = attn_mod.paged_tree_attention(q, kc, vc, table, ctx, cu, par, 0.3, anc, **kw)
-    walked = attn_mod.paged_tree_attention(q, kc, vc, table, ctx, cu, par, 0.3, **kw)
-    want = ref.paged_tree_attention(q, kc, vc, table, ctx, cu, par, 0.3, anc)
+    out = attn_mod.paged_tree_attention(*args, anc, block_m=32, block_n=block_n, num_splits=2)
+    want = ref.paged_tree_attention(*args, anc)
     torch.testing.assert_close(out, walked, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
