@@ -105,6 +105,8 @@ class ShadowReplay:
         self.levels = getattr(inner, "levels", False)
         self.vocab_size = inner.vocab_size
         self.target_hidden_layers = inner.target_hidden_layers
+        if getattr(inner, "projection", None) is not None:
+            self.projection = inner.projection      # rows arrive as the inner one takes them
 
     def update(self, seq_id, tokens, new_count, accepted_nodes, hidden) -> None:
         self.inner.update(seq_id, tokens, new_count, accepted_nodes, hidden)

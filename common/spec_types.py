@@ -55,3 +55,4 @@ class DrafterInfo:
     target_hidden_layers: tuple[int, ...] = ()
     model: str = ""
     max_model_len: int = 0          # committed tokens a sequence may have (0: no limit)
+    projected_width: int = 0        # hidden states it also takes projected (see the proto)

@@ -23,13 +23,15 @@ def envelope_from_pb(m: pb.TreeEnvelope) -> TreeEnvelope:
 def drafter_info_to_pb(i: DrafterInfo) -> pb.DrafterInfo:
     return pb.DrafterInfo(envelope=envelope_to_pb(i.envelope), vocab_size=i.vocab_size,
                           proposer=i.proposer, target_hidden_layers=list(i.target_hidden_layers),
-                          model=i.model, max_model_len=i.max_model_len)
+                          model=i.model, max_model_len=i.max_model_len,
+                          projected_width=i.projected_width)
 
 
 def drafter_info_from_pb(m: pb.DrafterInfo) -> DrafterInfo:
     return DrafterInfo(envelope=envelope_from_pb(m.envelope), vocab_size=m.vocab_size,
                        proposer=m.proposer, target_hidden_layers=tuple(m.target_hidden_layers),
-                       model=m.model, max_model_len=m.max_model_len)
+                       model=m.model, max_model_len=m.max_model_len,
+                       projected_width=m.projected_width)
 
 
 def spec_request_to_pb(r: SpecRequest, shared: SharedBuffer | None = None

@@ -155,11 +155,10 @@ class DFlashHead(nn.Module):
     @torch.inference_mode()
     def write_context(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       cache: PagedKVCache, ops: ModuleType) -> None:
-        """The context K/V of target features feats [T, F] at positions [T], into every
-        layer's slots [T]."""
+        """The context K/V of projected target features feats [T, H] (fc's output) at
+        positions [T], into every layer's slots [T]."""
         s = self.spec.layers
-        c = ops.rms_norm(ops.linear(feats.to(self.dtype), self.fc.weight), self.hidden_norm,
-                         s.rms_norm_eps)
+        c = ops.rms_norm(feats, self.hidden_norm, s.rms_norm_eps)
         for i, layer in enumerate(self.layers):
             qkv = ops.linear(c, layer.qkv.weight, layer.qkv.bias)
             ops.qk_norm_rope_write(qkv, layer.q_norm, layer.k_norm, positions, self.inv_freq,

@@ -55,7 +55,6 @@ class DFlashProposer(FeatureDrafter):
                              f"of {spec.block_size} drafts {spec.block_size - 1} positions")
         self.head = head
         self.vocab_size = spec.layers.vocab_size
-        self.feature_size = len(spec.target_layer_ids) * spec.layers.hidden_size
         self.target_hidden_layers = spec.capture_layers
         dev = head.device
         self._parents = torch.full((1, spec.block_size), BLOCK, dtype=torch.int32, device=dev)
@@ -96,10 +95,11 @@ def dflash_step(head: DFlashHead, cache: PagedKVCache, ops: ModuleType, env: Tre
                 count: torch.Tensor, ctx0: torch.Tensor, table: torch.Tensor,
                 feats: torch.Tensor, sampling: list[torch.Tensor] | None = None
                 ) -> tuple[torch.Tensor, ...]:
-    """tokens [B, C] int64 and feats [B, C, F]: row b's first count[b] (>= 1) new pairs,
-    written from position ctx0[b] on (the tail is padding: its slots are the block's,
-    rewritten next); parents [1, block] BLOCK and depths [block]; table covers ctx0 +
-    count + block -> tokens, parents [B, N] (and, sampling, q_ids, q_probs [B, N, Q])."""
+    """tokens [B, C] int64 and feats [B, C, H] (projected): row b's first count[b]
+    (>= 1) new pairs, written from position ctx0[b] on (the tail is padding: its slots
+    are the block's, rewritten next); parents [1, block] BLOCK and depths [block];
+    table covers ctx0 + count + block -> tokens, parents [B, N] (and, sampling, q_ids,
+    q_probs [B, N, Q])."""
     b, c = tokens.shape
     spec = head.spec
     chain = padded_chain_batch(tokens, count, ctx0, table, cache.block_size)

@@ -192,11 +192,6 @@ class Eagle3Head(nn.Module):
         return r + ops.linear(ops.linear_silu_mul(m, self.gate_up.weight), self.down.weight)
 
     @torch.inference_mode()
-    def features(self, feats: torch.Tensor) -> torch.Tensor:
-        """fc over target features [T, C] -> [T, H]."""
-        return self.fc(feats.to(self.dtype))
-
-    @torch.inference_mode()
     def logits(self, out: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """Draft-vocabulary logits [T, V_d] fp32 of `out` [T, H]."""
         return self.draft_logits(out, ops).float()

@@ -53,11 +53,10 @@ class Eagle3Proposer(FeatureDrafter):
                              f"({head.spec.draft_vocab_size})")
         self.head = head
         self.vocab_size = head.spec.vocab_size
-        self.feature_size = head.spec.feature_size
         self.target_hidden_layers = head.spec.aux_layer_ids
         self._depths = level_depths(env, head.device)
         super().__init__(head.new_cache(num_blocks, block_size), env, ops, model_name,
-                         [((head.spec.feature_size,), head.dtype)])
+                         [((self.feature_size,), head.dtype)])
 
     @classmethod
     def load(cls, cfg: DraftConfig, device: torch.device, dtype: torch.dtype) -> Eagle3Proposer:
@@ -71,7 +70,7 @@ class Eagle3Proposer(FeatureDrafter):
         fb = build_forward_batch([chain_chunk(st.pages, st.tokens[lo + 1:hi + 1])
                                   for st, lo, hi in rows], self.cache)
         feats = torch.cat([st.feats.rows[lo:hi] for st, lo, hi in rows])
-        self.head(fb, self.cache, self.ops, self.head.features(feats))
+        self.head(fb, self.cache, self.ops, feats)
 
     def _step_fn(self, tokens: torch.Tensor, count: torch.Tensor, ctx0: torch.Tensor,
                  table: torch.Tensor, feats: torch.Tensor,

@@ -63,12 +63,12 @@ def eagle3_step(head: Eagle3Head, cache: PagedKVCache, ops: ModuleType, env: Tre
                 depths: list[torch.Tensor], tokens: torch.Tensor, count: torch.Tensor,
                 ctx0: torch.Tensor, table: torch.Tensor, feats: torch.Tensor,
                 sampling: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
-    """tokens [B, C] int64 and feats [B, C, F]: row b's first count[b] (>= 1) new
-    pairs (token, target features), written from pair position ctx0[b] on; the
+    """tokens [B, C] int64 and feats [B, C, H]: row b's first count[b] (>= 1) new
+    pairs (token, projected target features), written from pair position ctx0[b] on; the
     tail is padding (it sees only itself and writes slots the expansion
     overwrites or never reads). table covers ctx0 + C + the tree's scratch."""
     b, c = tokens.shape
     fb = padded_chain_batch(tokens, count, ctx0, table, cache.block_size)
-    out = head(fb, cache, ops, head.features(feats.reshape(b * c, -1)))          # [B*C, H]
+    out = head(fb, cache, ops, feats.reshape(b * c, -1))                        # [B*C, H]
     root = out.view(b, c, -1)[torch.arange(b, device=tokens.device), count.long() - 1]
     return expand_eagle3(head, cache, ops, env, depths, root, ctx0 + count, table, sampling)

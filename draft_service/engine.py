@@ -95,6 +95,12 @@ def check_request(req: SpecRequest, env: TreeEnvelope, vocab_size: int,
                                  f"depth {env.depth} / {env.num_nodes} nodes")
 
 
+def projected_width(p: Proposer) -> int:
+    """DrafterInfo.projected_width: 0 where a projected row could not be told apart."""
+    proj = getattr(p, "projection", None)
+    return 0 if proj is None or proj.shape[0] == proj.shape[1] else proj.shape[0]
+
+
 class DraftEngine:
     def __init__(self, cfg: DraftConfig, proposer: Proposer | None = None,
                  observer: DraftObserver | None = None) -> None:
@@ -110,7 +116,8 @@ class DraftEngine:
         p = self.proposer
         return DrafterInfo(envelope=self.env, vocab_size=p.vocab_size, proposer=p.name,
                            target_hidden_layers=tuple(p.target_hidden_layers), model=p.model,
-                           max_model_len=self.cfg.max_model_len)
+                           max_model_len=self.cfg.max_model_len,
+                           projected_width=projected_width(p))
 
     @property
     def num_sequences(self) -> int:

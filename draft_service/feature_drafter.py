@@ -8,8 +8,11 @@ with each new token ``s_j``, the row ``f_{j-1}`` (a full update's row 0 belongs 
 ``s_0``, which has no pair), so every committed token completes its pair on arrival.
 
 Every pair's feature row stays on the device (a RowBuffer), so a sequence whose KV
-was dropped for pages recomputes it like the draft model does. A missing hidden
-tensor counts as zero features (worse drafts, the same output).
+was dropped for pages recomputes it like the draft model does. Rows are kept
+projected (the head's ``fc``, its first use of them): the verify service sends them
+so where it has fetched the projection (DrafterInfo.projected_width), and rows that
+arrive as the target's layers are projected here. A missing hidden tensor counts as
+zero features (worse drafts, the same output).
 """
 
 from __future__ import annotations
@@ -30,29 +33,40 @@ class FeatureSeq(DraftSeq):
 
 class FeatureDrafter(KVDrafter):
     """A KVDrafter over committed pairs; the subclass sets ``head`` (its network, with
-    device and dtype), ``feature_size`` and ``target_hidden_layers`` before
+    device and dtype, and its projection ``fc``) and ``target_hidden_layers`` before
     KVDrafter.__init__."""
 
     head: torch.nn.Module
-    feature_size: int
     target_hidden_layers: tuple[int, ...]
+
+    @property
+    def projection(self) -> torch.Tensor:
+        """[width, layers * hidden]: the head's fc."""
+        return self.head.fc.weight
+
+    @property
+    def feature_size(self) -> int:
+        """A kept (projected) row's width."""
+        return self.projection.shape[0]
 
     def _new(self) -> FeatureSeq:
         return FeatureSeq()
 
     def update(self, seq_id: int, tokens: list[int], new_count: int,
                accepted_nodes: list[int], hidden: torch.Tensor | None) -> None:
-        c = self.feature_size
+        h, c = self.projection.shape
         if hidden is None:
-            hidden = torch.zeros(new_count, c)
-        elif hidden.dim() != 2 or hidden.shape != (new_count, c):
+            hidden = torch.zeros(new_count, h)
+        elif hidden.dim() != 2 or hidden.shape[0] != new_count or hidden.shape[1] not in (h, c):
             raise InvalidRequest(
                 f"seq {seq_id}: hidden states of shape {tuple(hidden.shape)}, the {self.name} "
                 f"drafter needs [{new_count}, {c}] (layers {list(self.target_hidden_layers)} "
-                "of the target it was trained for)")
+                f"of the target it was trained for) or [{new_count}, {h}] projected")
         st = self.state(seq_id)
         # a host tensor may be the carrier's reused buffer: copied
         rows = hidden.to(self.head.device, self.head.dtype, copy=hidden.device.type == "cpu")
+        if rows.shape[1] != h or h == c:
+            rows = torch.nn.functional.linear(rows, self.projection)
         if new_count == len(tokens):          # from nothing: s_0 has no pair
             self.cache.release(st.pages)
             st.feats = RowBuffer(rows[1:])

@@ -14,7 +14,8 @@ Calling convention, per speculative step:
    sequence it does not know). ``accepted_nodes`` index the tree this proposer
    emitted for ``s`` last step (root to leaf, possibly empty); the engine passes
    them only when they refer to that tree. ``hidden`` is
-   ``[new_count, layers * hidden]`` target states, only for proposers that name
+   ``[new_count, layers * hidden]`` target states (or ``[new_count, width]``
+   already through the proposer's ``projection``), only for proposers that name
    ``target_hidden_layers``, borrowed (it may be a view of the connection's shared
    buffer, rewritten after the step: copy what is kept);
 3. ``propose(seq_ids, sampling)`` once for the batch: a ``TreeBatch`` with rows in
@@ -61,7 +62,9 @@ class Proposer(Protocol):
                                              # servicer runs it on its event loop
     needs_model: bool                        # DraftConfig.model is required
     # optional: levels = True when propose takes depth= (the verify takes nothing deeper;
-    # such a drafter expands fewer levels, at fewer forwards); the others are pruned
+    # such a drafter expands fewer levels, at fewer forwards); the others are pruned.
+    # optional: projection, a [width, layers * hidden] tensor: the proposer's first use
+    # of hidden states is x @ projection.T, and it takes them either way
 
     @classmethod
     def from_config(cls, cfg: DraftConfig) -> Proposer: ...

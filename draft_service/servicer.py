@@ -23,12 +23,15 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 import grpc
 
-from common import frames, wire
+from common import codec, frames, wire
 from common.errors import InvalidRequest
 from common.shared_buffer import SharedBuffer
 from draft_service.engine import DraftEngine
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+
+
+PROJECTION_BLOCK_BYTES = 4 << 20
 
 
 class StepOrder:
@@ -59,6 +62,17 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         if self.local_socket is not None:
             info.local_socket = self.local_socket
         return info
+
+    async def GetProjection(self, request: pb.ProjectionRequest,
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Tensor]:
+        """DrafterInfo.projected_width's projection in blocks of rows (the proto's
+        GetProjection); nothing where it announces none."""
+        if not self.engine.info.projected_width:
+            return
+        w = self.engine.proposer.projection.detach()
+        rows = max(1, PROJECTION_BLOCK_BYTES // (w.shape[1] * w.element_size()))
+        for at in range(0, w.shape[0], rows):
+            yield codec.encode(w[at:at + rows].cpu())
 
     async def Speculate(self, request_iterator: AsyncIterator[pb.SpeculateRequest],
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Proposal]:

@@ -72,3 +72,21 @@ def test_hidden_states_cross_under_the_budget_and_add_up_to_a_full_update():
     assert trace[-1][1] == [] and len(trace) == 3
     for s in seqs:
         assert torch.equal(torch.cat(got[s.seq_id]), want[s.seq_id])
+
+
+def test_rows_leave_projected_where_the_draft_gave_its_projection():
+    """[2, C] projection: each row crosses as its product (2 columns of 4), and the
+    budget counts those bytes, so twice the rows fit in a request; a projection of
+    another width than the rows' is not used."""
+    w = torch.randn(2, C, generator=torch.Generator().manual_seed(9))
+    a = seq(9, 1)
+    sync = DraftSync(max_hidden_bytes=4 * 16)            # 4 unprojected rows a request
+    sync.reset(projection=w)
+    out = sync.request([a], hidden=True, trace={})
+    u = out.request.seqs[0]
+    assert u.committed_len == 8 and out.syncing == [0] and out.hidden_bytes == 8 * 2 * 4
+    want = torch.cat([torch.zeros(1, C), a.hidden.rows[:7]]) @ w.T
+    torch.testing.assert_close(u.hidden, want)
+    sync.reset(projection=torch.randn(2, C + 1))
+    u = sync.request([a], hidden=True, trace={}).request.seqs[0]
+    assert u.hidden.shape == (4, C) and torch.equal(u.hidden[1:], a.hidden.rows[:3])

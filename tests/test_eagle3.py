@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -207,10 +208,26 @@ def test_engine_info_and_hidden_width_check(head_dir):
                                   model=str(head_dir), device="cpu"))
     assert eng.info.target_hidden_layers == tuple(AUX) and eng.info.proposer == "eagle3"
     assert eng.info.vocab_size == 96
+    assert eng.info.projected_width == eng.proposer.projection.shape[0] == HIDDEN
     bad = SeqUpdate(1, committed_len=3, new_tokens=[1, 2, 3], full=True,
                     hidden=torch.zeros(3, C - 1))
     with pytest.raises(InvalidRequest, match="hidden states"):
         eng.step(SpecRequest(step_id=1, seqs=[bad]))
+
+
+def test_projected_rows_draft_what_the_targets_layers_draft(head_dir):
+    """Rows sent through the head's projection (as a verify that fetched it sends
+    them) give the trees the target's layers give; zero rows do not (the rows count)."""
+    env = PRESETS["tree-small"]
+    toks, rows = _inputs(3, 20)
+    trees = []
+    for feed in (lambda p: rows, lambda p: F.linear(rows, p.projection),
+                 lambda p: torch.zeros(len(toks), HIDDEN)):
+        prop = _proposer(head_dir, env)
+        prop.update(1, toks[:14], 14, [], feed(prop)[:14])
+        prop.update(1, toks, len(toks) - 14, [], feed(prop)[14:])
+        trees.append(prop.propose([1]).tokens.tolist())
+    assert trees[0] == trees[1] != trees[2]
 
 
 def test_checkpoint_without_embeddings_takes_the_targets(no_embed_dir, head_dir, target_dir,
@@ -251,9 +268,9 @@ MAX_TOKENS = 20
 
 
 async def _generate(target, head, envelope, draft_socket="auto"):
-    """Outputs, whether the verify KV came back, and every update the proposer saw.
-    On the local socket (draft_socket auto) hidden states cross in the connection's
-    shared buffer, over gRPC in the messages."""
+    """Outputs, whether the verify KV came back, every update the proposer saw and
+    its projection. On the local socket (draft_socket auto) hidden states cross in
+    the connection's shared buffer, over gRPC in the messages."""
     seen: list[tuple[list[int], int, torch.Tensor | None]] = []
     async with services(target, "eagle3", head, envelope, draft_socket=draft_socket) as h:
         assert h["engine"].link.info.target_hidden_layers == tuple(AUX)
@@ -271,35 +288,38 @@ async def _generate(target, head, envelope, draft_socket="auto"):
                     for p in PROMPTS]
         if shared is not None:         # unlinked once the first request came
             assert not os.path.exists(shared.path)
-        return outs, h["engine"].kv_pages_used == 0, seen
+        return outs, h["engine"].kv_pages_used == 0, seen, prop.projection
 
 
-def _check_rows(target_dir, seen) -> None:
+def _check_rows(target_dir, seen, projection) -> None:
     """Each new token s_j came with f_{j-1}, the aux layers' states at s_{j-1} (our Qwen3
-    on the whole committed list; s_0 gets zeros)."""
+    on the whole committed list; s_0 gets zeros), through the head's projection (the
+    verify fetched it when the draft connected)."""
     from common.forward_batch import build_forward_batch, chain_chunk
     from common.kv_cache import SeqPages
     from common.qwen3 import Qwen3Model
     from kernels import reference as ops
     model = Qwen3Model.from_pretrained(target_dir)
     for tokens, new, hidden in seen:
-        assert hidden is not None and hidden.shape == (new, C)
+        assert hidden is not None and hidden.shape == (new, HIDDEN)
         cache = model.new_cache(64, 4)
         fb = build_forward_batch([chain_chunk(SeqPages(), tokens)], cache)
         feats = torch.cat(model(fb, cache, ops, tuple(AUX))[1], -1)          # [L, C]
         want = torch.cat([torch.zeros(1, C), feats])[len(tokens) - new:len(tokens)]
-        torch.testing.assert_close(hidden.float(), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(hidden.float(), F.linear(want, projection.float()),
+                                   atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("envelope, draft_socket", [("chain4", "auto"), ("tree-small", "auto"),
                                                     ("chain4", "off")])
 def test_speculative_greedy_equals_plain_greedy(target_dir, head_dir, envelope, draft_socket):
-    outs, all_free, seen = asyncio.run(_generate(target_dir, head_dir, envelope, draft_socket))
+    outs, all_free, seen, proj = asyncio.run(_generate(target_dir, head_dir, envelope,
+                                                       draft_socket))
     for p, out in zip(PROMPTS, outs):
         assert out.token_ids == greedy_reference(target_dir, p, MAX_TOKENS)
         assert out.stats["draft_tokens"] > 0 and out.stats["fallback_steps"] == 0
     assert all_free
-    _check_rows(target_dir, seen)
+    _check_rows(target_dir, seen, proj)
 
 
 SHIPPED_HEAD = SHIPPED_DIR / "tiny-code-eagle3"

@@ -80,5 +80,6 @@ def test_stubs_import_and_declare_both_services():
 
     services = pb.DESCRIPTOR.services_by_name
     assert set(services) == {"Generation", "Drafter"}
-    assert [m.name for m in services["Drafter"].methods] == ["GetInfo", "Speculate"]
+    assert [m.name for m in services["Drafter"].methods] == ["GetInfo", "Speculate",
+                                                        "GetProjection"]
     assert hasattr(pb_grpc, "GenerationStub") and hasattr(pb_grpc, "add_DrafterServicer_to_server")

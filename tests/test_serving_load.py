@@ -61,11 +61,18 @@ def test_32_long_prompts_at_once(method):
                         ) as (draft, verify):
         spec = asyncio.run(_all(verify.addr, plain=False))
         url = re.search(r"metrics on (http://\S+/metrics)", verify.output()).group(1)
-        reasons = {dict(labels)["reason"]: v for (name, labels), v in scrape(url).items()
+        metrics = scrape(url)
+        reasons = {dict(labels)["reason"]: v for (name, labels), v in metrics.items()
                    if name == "treespec:spec_decode_fallback_steps_total"}
+        sent = sum(v for (name, _), v in metrics.items()
+                   if name == "treespec:draft_hidden_state_bytes_total")
         log = draft.output() + verify.output()
         want = plain(verify.addr)
     assert [o.token_ids for o in spec] == want
     assert {r for r, v in reasons.items() if v} <= ALLOWED[method], (reasons, log)
     assert sum(o.stats["draft_tokens"] for o in spec) > 0 or method == "ngram"
     assert "exceeds" not in log and "ran out" not in log, log
+    if method in ("eagle3", "dflash"):  # each token's states once, through the draft's fc:
+        # 256 float32 columns (the target's 3 layers are 768)
+        assert ", projected" in log
+        assert 32 * 1024 * 256 * 4 <= sent <= 32 * (1024 + MAX_TOKENS) * 256 * 4, sent

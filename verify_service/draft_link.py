@@ -162,17 +162,32 @@ class DraftLink:
         if bad:
             raise RuntimeError(f"draft wants hidden states of target layers {bad}, but the "
                                f"target has layers 0..{self.num_layers}; not using this draft")
+        projection = await self._projection(stub, info)
         self._info = info
         self._call = await self._open_local(info_pb) or stub.Speculate(metadata=self._md)
         self.carrier = "unix socket" if isinstance(self._call, frames.FrameStream) else "grpc"
-        self.sync.reset(self._attach_shared(info))
+        self.sync.reset(self._attach_shared(info), projection)
         self.catch_up_rate, self._down = None, None     # another draft: measured afresh
-        log.info("draft %s connected: %s, envelope %s, steps by %s%s", self.addr,
+        log.info("draft %s connected: %s, envelope %s, steps by %s%s%s", self.addr,
                  info.proposer, info.envelope, self.carrier,
-                 ", hidden states through shared memory" if self.sync.shared else "")
+                 ", hidden states through shared memory" if self.sync.shared else "",
+                 ", projected" if projection is not None else "")
         async for msg in self._call:
             self._deliver(msg)
         raise RuntimeError("draft closed the Speculate stream")
+
+    async def _projection(self, stub: pb_grpc.DrafterStub, info: DrafterInfo
+                          ) -> torch.Tensor | None:
+        """The draft's projection of the hidden states it reads, where it gives one."""
+        if not (info.projected_width and info.target_hidden_layers):
+            return None
+        blocks = [codec.decode(m) async for m in
+                  stub.GetProjection(pb.ProjectionRequest(), timeout=60, metadata=self._md)]
+        w = torch.cat(blocks) if blocks else None
+        if w is None or w.dim() != 2 or w.shape[0] != info.projected_width:
+            raise RuntimeError(f"draft announced a projection to {info.projected_width} "
+                               f"columns but sent {None if w is None else tuple(w.shape)}")
+        return w
 
     async def _open_local(self, info: pb.DrafterInfo) -> frames.FrameStream | None:
         """The draft's local socket, when it advertises one and it answers as that draft."""

@@ -135,7 +135,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("envelope", "vocab_size", "proposer", "target_hidden_layers", "model", "local_socket", "instance_id", "max_model_len")
+    __slots__ = ("envelope", "vocab_size", "proposer", "target_hidden_layers", "model", "local_socket", "instance_id", "max_model_len", "projected_width")
     ENVELOPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class DrafterInfo(_message.Message):
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PROJECTED_WIDTH_FIELD_NUMBER: _ClassVar[int]
     envelope: TreeEnvelope
     vocab_size: int
     proposer: str
@@ -152,7 +153,12 @@ class DrafterInfo(_message.Message):
     local_socket: str
     instance_id: str
     max_model_len: int
-    def __init__(self, envelope: _Optional[_Union[TreeEnvelope, _Mapping]] = ..., vocab_size: _Optional[int] = ..., proposer: _Optional[str] = ..., target_hidden_layers: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., local_socket: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    projected_width: int
+    def __init__(self, envelope: _Optional[_Union[TreeEnvelope, _Mapping]] = ..., vocab_size: _Optional[int] = ..., proposer: _Optional[str] = ..., target_hidden_layers: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., local_socket: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., projected_width: _Optional[int] = ...) -> None: ...
+
+class ProjectionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class SequenceUpdate(_message.Message):
     __slots__ = ("seq_id", "committed_len", "new_tokens", "full", "accepted_nodes", "accepted_step_id", "hidden_states", "sampling", "rejection_sampling")

@@ -159,6 +159,11 @@ class DrafterStub:
                 request_serializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.SpeculateRequest.SerializeToString,
                 response_deserializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.Proposal.FromString,
                 _registered_method=True)
+        self.GetProjection = channel.unary_stream(
+                '/treespec.v1.Drafter/GetProjection',
+                request_serializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.ProjectionRequest.SerializeToString,
+                response_deserializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.Tensor.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -176,6 +181,14 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetProjection(self, request, context):
+        """The projection DrafterInfo.projected_width announces, as consecutive row blocks
+        (each a [rows, layers * hidden] Tensor of at most 4 MB), top to bottom.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +201,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Speculate,
                     request_deserializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.SpeculateRequest.FromString,
                     response_serializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.Proposal.SerializeToString,
+            ),
+            'GetProjection': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetProjection,
+                    request_deserializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.ProjectionRequest.FromString,
+                    response_serializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.Tensor.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -244,6 +262,33 @@ class Drafter:
             '/treespec.v1.Drafter/Speculate',
             protos_dot_treespec_dot_v1_dot_treespec__pb2.SpeculateRequest.SerializeToString,
             protos_dot_treespec_dot_v1_dot_treespec__pb2.Proposal.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetProjection(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/treespec.v1.Drafter/GetProjection',
+            protos_dot_treespec_dot_v1_dot_treespec__pb2.ProjectionRequest.SerializeToString,
+            protos_dot_treespec_dot_v1_dot_treespec__pb2.Tensor.FromString,
             options,
             channel_credentials,
             insecure,
