@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from bench.train_tiny import corpus as C
@@ -211,3 +212,12 @@ def test_dflash_trains_against_an_existing_target_and_serves(trained, tmp_path):
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 8
     head = DFlashHead.from_pretrained(path, trained / "tiny-code")
     assert head.spec.capture_layers == tuple(i + 1 for i in cfg["dflash_config"]["target_layer_ids"])
+    # --dflash-init goes on from that drafter (at learning rate 0 it stays that drafter)
+    again = tmp_path / "again"
+    proc = subprocess.run(cmd[:3] + [str(again)] + cmd[4:] + [
+        "--dflash-init", str(path), "--dflash-lr", "0", "--gen-mix", "1.0"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    was, now = (load_file(str(d / "tiny-code-dflash" / "model.safetensors"))
+                for d in (tmp_path, again))
+    assert was.keys() == now.keys() and all(torch.equal(was[k], now[k]) for k in was)

@@ -126,14 +126,15 @@ class DFlashDrafter(nn.Module):
 
 def block_loss(model: DFlashDrafter, feats: torch.Tensor, tokens: torch.Tensor,
                embed: torch.Tensor, lm_head: torch.Tensor, blocks: int, gamma: float,
-               gen: torch.Generator) -> torch.Tensor:
+               gen: torch.Generator, low: int = 1) -> torch.Tensor:
     """Masked-block prediction on windows tokens [R, W] with the target's features
     feats [R, W, F]: `blocks` random anchors a per row (block [x_a, mask, ...], context
-    f_0 .. f_{a-1}), cross-entropy of positions 1 .. S-1 against x_{a+1} .., weighted
-    exp(-(k - 1) / gamma) toward the early positions (those every accepted prefix needs)."""
+    f_0 .. f_{a-1}), a >= low, cross-entropy of positions 1 .. S-1 against x_{a+1} ..,
+    weighted exp(-(k - 1) / gamma) toward the early positions (those every accepted
+    prefix needs)."""
     r, w = tokens.shape
     sl, dev = model.block_size, tokens.device
-    anchors = torch.randint(1, w - sl + 1, (r, blocks), generator=gen).to(dev)   # [R, K]
+    anchors = torch.randint(low, w - sl + 1, (r, blocks), generator=gen).to(dev)  # [R, K]
     at = anchors.unsqueeze(-1) + torch.arange(sl, device=dev)                    # [R, K, S]
     truth = tokens.gather(1, at.view(r, -1)).view(r, blocks, sl)
     block = torch.cat([truth[..., :1], torch.full_like(truth[..., 1:], model.mask_token_id)], -1)

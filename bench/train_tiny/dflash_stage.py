@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerFast
 
 from bench.train_tiny import corpus as C
@@ -51,7 +52,11 @@ def run_dflash(s: Settings) -> dict:
     ids = default_layer_ids(tcfg["num_hidden_layers"], s.dflash_layers)
     cfg = DF.drafter_config(tcfg, s.dflash_layers, s.dflash_block,
                             mask_token_id=tcfg["vocab_size"] - 1, layer_ids=ids)
-    model = DF.DFlashDrafter(cfg).to(dev)
+    model = DF.DFlashDrafter(cfg)
+    if s.dflash_init:                  # go on from a drafter trained before
+        model.load_state_dict({k: v.float() for k, v in
+                               load_file(str(Path(s.dflash_init) / "model.safetensors")).items()})
+    model = model.to(dev)
     tap = D.TargetTap(target, [i + 1 for i in ids])
     embed = target.model.embed_tokens.weight.detach()
     head = target.lm_head.weight.detach()
@@ -66,8 +71,11 @@ def run_dflash(s: Settings) -> dict:
 
     def loss(step: int) -> torch.Tensor:
         b = batches(step).to(dev)
+        # a generated sequence's blocks lie in its continuation: serving drafts the
+        # target's own tokens, not the text its prompt came from
+        low = s.gen_prompt_len - 1 if batches.generated(step) else 1
         return DF.block_loss(model, tap(b)[1], b, embed, head, s.dflash_anchors,
-                             s.dflash_gamma, gen)
+                             s.dflash_gamma, gen, low)
 
     def report() -> str:
         per_step = DF.chain_acceptance(model, probe_feats, probe, s.eval_prompt_len, embed, head)

@@ -87,8 +87,12 @@ class MixedBatches:
         if self.mix:
             self.pool_batch = max(1, min(len(pool), batch * real.length // pool.shape[1]))
 
+    def generated(self, step: int) -> bool:
+        """Whether step's batch comes from the generated pool."""
+        return int((step + 1) * self.mix) > int(step * self.mix)
+
     def __call__(self, step: int) -> torch.Tensor:
-        if int((step + 1) * self.mix) > int(step * self.mix):
+        if self.generated(step):
             idx = torch.randint(0, len(self.pool), (self.pool_batch,), generator=self.gen)
             return self.pool[idx]
         return self.real.sample(self.batch)

@@ -57,6 +57,7 @@ class Settings:
     dflash_block: int = 16
     dflash_anchors: int = 8             # blocks drawn per training window
     dflash_gamma: float = 7.0           # loss weight exp(-(k - 1) / gamma) at block position k
+    dflash_init: str | None = None      # a DFlash drafter to go on training from
     dflash_stage: StageSettings = StageSettings(steps=3000, batch=32, lr=2e-3, warmup=100,
                                                 budget_share=0.8)
     only: str | None = None             # "dflash": train the DFlash drafter alone
@@ -121,8 +122,13 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--base", help="--only's checkpoints dir (holding tiny-code)")
     p.add_argument("--seq-len", type=int, default=None, help="training window length")
     p.add_argument("--dflash-batch", type=int, default=None, help="windows per DFlash step")
+    p.add_argument("--dflash-lr", type=float, default=None, help="DFlash peak learning rate")
     p.add_argument("--gen-seqs", type=int, default=None,
                    help="target-greedy sequences generated for distillation (0: real text only)")
+    p.add_argument("--gen-mix", type=float, default=None,
+                   help="share of distillation steps on generated sequences")
+    p.add_argument("--dflash-init", default=None,
+                   help="with --only dflash: go on training this DFlash drafter")
     p.add_argument("--eval-prompts", type=int, default=None)
     p.add_argument("--log-every", type=int, default=None)
     p.add_argument("--eval-every", type=int, default=None)
@@ -150,7 +156,10 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         s = replace(s, seq_len=a.seq_len)
     if a.dflash_batch is not None:
         s = replace(s, dflash_stage=replace(s.dflash_stage, batch=a.dflash_batch))
-    for name in ("gen_seqs", "eval_prompts", "log_every", "eval_every"):
+    if a.dflash_lr is not None:
+        s = replace(s, dflash_stage=replace(s.dflash_stage, lr=a.dflash_lr))
+    for name in ("gen_seqs", "gen_mix", "dflash_init", "eval_prompts", "log_every",
+                 "eval_every"):
         if getattr(a, name) is not None:
             s = replace(s, **{name: getattr(a, name)})
     return s
