@@ -9,7 +9,8 @@ with random weights (mode random: what the drafter costs, accepting almost nothi
 the draft model is Qwen3-0.6B-shaped, the EAGLE-3 head the published Qwen3-8B one's
 shape with the target's embeddings), or the shadow replay instrument (mode shadow:
 the same drafter's whole step, its tree then replaced by the replay's continuation at
-3 correct tokens of 4: what it buys at 4 tokens a step). Plain decode runs first in
+3 correct tokens of 4: what it buys at 4 tokens a step; mode shadowraw: the same with
+the hidden states crossing unprojected, the projection's side-by-side). Plain decode runs first in
 the same verify service (speculation off); its outputs are the reference every
 speculative output must equal. Both services run as CLI processes on their defaults,
 but for the verify's --max-batch and both services' --num-blocks (64 sequences of
@@ -61,8 +62,9 @@ def draft_argv(method: str, envelope: str, mode: str, port: int, work: Path, tar
               "--metrics-port", "0", *model[method]]
     if mode == "random":
         return cli_command("draft", "--method", method, "--device", device, *common)
+    raw = ["--raw-hidden"] if mode == "shadowraw" else []     # the A/B of the projection
     return [sys.executable, str(BENCH / "replay.py"), "--continuations", str(cont),
-            "--accept", str(accept), "--shadow", method, "--device", device, *common]
+            "--accept", str(accept), "--shadow", method, "--device", device, *raw, *common]
 
 
 async def _connected(addr: str, proposer: str, timeout: float = 600.0) -> None:

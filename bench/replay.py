@@ -98,14 +98,15 @@ class ReplayProposer:
 class ShadowReplay:
     """A real proposer's full step, its tree then replaced by the replay's chain."""
 
-    def __init__(self, inner, replay: ReplayProposer, num_nodes: int) -> None:
+    def __init__(self, inner, replay: ReplayProposer, num_nodes: int,
+                 raw_hidden: bool = False) -> None:
         self.inner, self.replay, self.num_nodes = inner, replay, num_nodes
         self.name = f"shadow-replay-instrument:{inner.name}"
         self.model, self.light = inner.model, inner.light
         self.levels = getattr(inner, "levels", False)
         self.vocab_size = inner.vocab_size
         self.target_hidden_layers = inner.target_hidden_layers
-        if getattr(inner, "projection", None) is not None:
+        if getattr(inner, "projection", None) is not None and not raw_hidden:
             self.projection = inner.projection      # rows arrive as the inner one takes them
 
     def update(self, seq_id, tokens, new_count, accepted_nodes, hidden) -> None:
@@ -149,6 +150,9 @@ def main() -> None:
     ap.add_argument("--target-embeddings", help="--shadow eagle3's or dflash's, as for "
                     "`treespec draft`")
     ap.add_argument("--device", default="auto", help="--shadow's device")
+    ap.add_argument("--raw-hidden", action="store_true",
+                    help="--shadow's drafter gives the verify no projection: hidden states "
+                         "cross as the target's layers (the projection's A/B)")
     ap.add_argument("--num-blocks", type=int, default=4096, help="--shadow's KV pages")
     ap.add_argument("--metrics-port", type=int, help="as `treespec draft --metrics-port`")
     a = ap.parse_args()
@@ -163,7 +167,8 @@ def main() -> None:
                           device=a.device, local_socket=a.local_socket,
                           num_blocks=a.num_blocks, metrics_port=a.metrics_port)
         replay = ReplayProposer(records, cfg.envelope.depth, a.corrupt, a.vocab, a.accept)
-        proposer = ShadowReplay(build_proposer(cfg), replay, cfg.envelope.num_nodes)
+        proposer = ShadowReplay(build_proposer(cfg), replay, cfg.envelope.num_nodes,
+                                a.raw_hidden)
     else:
         env = TreeEnvelope(depth=a.depth, topk=1, num_nodes=a.depth, name=f"chain{a.depth}")
         cfg = DraftConfig(method="ngram", envelope=env, host=a.host, port=a.port,

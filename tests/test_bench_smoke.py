@@ -33,7 +33,7 @@ def bench_argv(name: str, d: Path) -> tuple[list[str], dict[str, str] | None]:
         # the verify's deadline as the in-process tests have it (tests/inproc.py): with
         # the other runs beside it, a CPU step can pass the served 100 ms default
         return script + ["--ctx", "24", "--max-tokens", "9", "--batches", "1",
-                         "--configs", "eagle3:chain4",
+                         "--configs", "eagle3:chain4", "--modes", "random,shadow,shadowraw",
                          "--verify-args=--speculation always --step-deadline-ms 5000"], None
     assert name == "bench-accept"
     return cli_command("bench-accept", "--methods", "ngram,model", "--envelopes", "chain4",
@@ -109,7 +109,10 @@ def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(benches):
     r, _ = benches("drafters")
     assert r["errors"] == {} and r["plain"]["1"]["tok_s"] > 0
     rand, shadow = r["rows"]["eagle3:chain4:random"]["1"], r["rows"]["eagle3:chain4:shadow"]["1"]
-    assert rand["lossless"] and shadow["lossless"]
+    raw = r["rows"]["eagle3:chain4:shadowraw"]["1"]
+    assert rand["lossless"] and shadow["lossless"] and raw["lossless"]
+    # the verify sends the head's fc of the 3 layers' states: a third of the bytes
+    assert raw["hidden_bytes_per_step"] == 3 * shadow["hidden_bytes_per_step"] > 0
     assert not rand["fallbacks"]
     assert shadow["tokens_per_step"] == 4.0      # 9 = the prefill's token and 2 steps of 4
     assert shadow["hop_draft_ms"] > 0 and rand["hop_draft_ms"] > 0
