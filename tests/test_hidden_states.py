@@ -139,3 +139,47 @@ def test_hidden_rows_wait_as_views_until_read():
         buf.append(torch.full((1, 3), -1.0))
     assert buf._landed == buf.len, "FLUSH_AT appends waited unlanded"
     assert buf.rows.shape[0] == buf.len and torch.all(buf.rows[-row_buffer.FLUSH_AT:] == -1)
+
+
+class WrongProjection(RecordingDrafter):
+    """Announces a projection to 5 columns, then streams one of 3 rows."""
+
+    async def GetInfo(self, request, context):
+        return drafter_info_to_pb(DrafterInfo(ENV, 96, "recording", LAYERS,
+                                              projected_width=5))
+
+    async def GetProjection(self, request, context):
+        yield codec.encode(torch.zeros(3, len(LAYERS) * 64))
+
+
+def test_a_draft_whose_projection_disagrees_is_not_used(target_dir, caplog):
+    """Its connect fails with one line naming the mismatch; requests decode plain
+    (no draft reached), the output plain decode's."""
+    from inproc import greedy_reference
+    prompt = [1, 5, 9, 13, 2, 7, 1, 5]
+    ref = greedy_reference(target_dir, prompt, 8)
+    rec = WrongProjection(ref, len(prompt))
+
+    async def go():
+        server, port = await start_server(
+            "127.0.0.1", 0, lambda s: pb_grpc.add_DrafterServicer_to_server(rec, s),
+            ["treespec.v1.Drafter"])
+        from verify_service import server as verify_server
+        from verify_service.config import VerifyConfig
+        vs, vport, engine = await verify_server.start(VerifyConfig(
+            model=str(target_dir), draft=f"127.0.0.1:{port}", device="cpu", block_size=4,
+            num_blocks=128, reconnect_s=0.1, speculation="always"))
+        await asyncio.sleep(0.5)                   # several connect attempts
+        async with AsyncTreespecClient(f"127.0.0.1:{vport}") as c:
+            out = await c.generate(prompt_ids=prompt, max_tokens=8, ignore_eos=True)
+        ready = engine.link.ready
+        await vs.stop(0.2)
+        await engine.stop()
+        await engine.link.close()
+        await server.stop(0.2)
+        return out, ready
+    with caplog.at_level("WARNING", logger="treespec.verify.draft_link"):
+        out, ready = asyncio.run(go())
+    assert out.token_ids == ref and not ready and rec.tokens == {}
+    lines = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(lines) == 1 and "projection to 5 columns but sent (3, 128)" in lines[0], lines
