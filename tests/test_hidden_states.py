@@ -4,6 +4,7 @@ the target's hidden states at those layers (checked against transformers)."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 
 import pytest
 import torch
@@ -54,6 +55,27 @@ class RecordingDrafter(pb_grpc.DrafterServicer):
                               parents=codec.encode(parents))
 
 
+@asynccontextmanager
+async def serving(target_dir, drafter, **cfg):
+    """drafter served by a gRPC server, a verify service (in process) on it; yields the
+    verify's port and engine; everything stopped after."""
+    from verify_service import server as verify_server
+    from verify_service.config import VerifyConfig
+    server, port = await start_server(
+        "127.0.0.1", 0, lambda s: pb_grpc.add_DrafterServicer_to_server(drafter, s),
+        ["treespec.v1.Drafter"])
+    vs, vport, engine = await verify_server.start(VerifyConfig(
+        model=str(target_dir), draft=f"127.0.0.1:{port}", device="cpu", block_size=4,
+        num_blocks=128, speculation="always", **cfg))
+    try:
+        yield vport, engine
+    finally:
+        await vs.stop(0.2)
+        await engine.stop()
+        await engine.link.close()
+        await server.stop(0.2)
+
+
 @pytest.mark.parametrize("rows_a_step,catch_up", [(None, None), (5, None), (None, 1.0)])
 def test_hidden_states_of_committed_tokens_travel_once(target_dir, rows_a_step, catch_up):
     """rows_a_step: cap the hidden states a request carries (DraftSync's byte budget),
@@ -66,30 +88,18 @@ def test_hidden_states_of_committed_tokens_travel_once(target_dir, rows_a_step, 
     rec = RecordingDrafter(ref, len(prompt))
 
     async def go():
-        server, port = await start_server(
-            "127.0.0.1", 0, lambda s: pb_grpc.add_DrafterServicer_to_server(rec, s),
-            ["treespec.v1.Drafter"])
-        from verify_service import server as verify_server
-        from verify_service.config import VerifyConfig
-        vs, vport, engine = await verify_server.start(VerifyConfig(
-            model=str(target_dir), draft=f"127.0.0.1:{port}", device="cpu", block_size=4,
-            num_blocks=128, step_deadline_ms=2000, speculation="always"))
-        for _ in range(200):
-            if engine.link.ready:
-                break
-            await asyncio.sleep(0.02)
-        if rows_a_step:
-            engine.link.sync.max_hidden_bytes = rows_a_step * len(LAYERS) * 64 * 4
-        if catch_up:
-            engine.link.catch_up_rate = catch_up
-        async with AsyncTreespecClient(f"127.0.0.1:{vport}") as c:
-            out = await c.generate(prompt_ids=prompt, max_tokens=20, ignore_eos=True)
-        fallbacks = dict(engine.fallbacks)
-        await vs.stop(0.2)
-        await engine.stop()
-        await engine.link.close()
-        await server.stop(0.2)
-        return out, fallbacks
+        async with serving(target_dir, rec, step_deadline_ms=2000) as (vport, engine):
+            for _ in range(200):
+                if engine.link.ready:
+                    break
+                await asyncio.sleep(0.02)
+            if rows_a_step:
+                engine.link.sync.max_hidden_bytes = rows_a_step * len(LAYERS) * 64 * 4
+            if catch_up:
+                engine.link.catch_up_rate = catch_up
+            async with AsyncTreespecClient(f"127.0.0.1:{vport}") as c:
+                out = await c.generate(prompt_ids=prompt, max_tokens=20, ignore_eos=True)
+            return out, dict(engine.fallbacks)
     out, fallbacks = asyncio.run(go())
     assert out.token_ids == ref
     assert out.stats["accepted_tokens"] > 0
@@ -161,23 +171,11 @@ def test_a_draft_whose_projection_disagrees_is_not_used(target_dir, caplog):
     rec = WrongProjection(ref, len(prompt))
 
     async def go():
-        server, port = await start_server(
-            "127.0.0.1", 0, lambda s: pb_grpc.add_DrafterServicer_to_server(rec, s),
-            ["treespec.v1.Drafter"])
-        from verify_service import server as verify_server
-        from verify_service.config import VerifyConfig
-        vs, vport, engine = await verify_server.start(VerifyConfig(
-            model=str(target_dir), draft=f"127.0.0.1:{port}", device="cpu", block_size=4,
-            num_blocks=128, reconnect_s=0.1, speculation="always"))
-        await asyncio.sleep(0.5)                   # several connect attempts
-        async with AsyncTreespecClient(f"127.0.0.1:{vport}") as c:
-            out = await c.generate(prompt_ids=prompt, max_tokens=8, ignore_eos=True)
-        ready = engine.link.ready
-        await vs.stop(0.2)
-        await engine.stop()
-        await engine.link.close()
-        await server.stop(0.2)
-        return out, ready
+        async with serving(target_dir, rec, reconnect_s=0.1) as (vport, engine):
+            await asyncio.sleep(0.5)                   # several connect attempts
+            async with AsyncTreespecClient(f"127.0.0.1:{vport}") as c:
+                out = await c.generate(prompt_ids=prompt, max_tokens=8, ignore_eos=True)
+            return out, engine.link.ready
     with caplog.at_level("WARNING", logger="treespec.verify.draft_link"):
         out, ready = asyncio.run(go())
     assert out.token_ids == ref and not ready and rec.tokens == {}
