@@ -7,7 +7,7 @@
 #                                          #   GPU tests, the benchmark, the step profile -> $OUT
 #   STEPS="gemv profile" BENCH_ARGS="--batches 1" bash bench/device_session.sh run   # a subset
 #   (each step takes its own *_ARGS: DRAFTERS_ARGS, DSTEP_ARGS, GEMV_ARGS, PROFILE_ARGS,
-#   ATTN_ARGS, ...)
+#   ATTN_ARGS, TRAIN_ARGS, ...)
 #
 # The image has torch, transformers, triton, grpcio, protobuf and uvloop; it lacks
 # grpcio's health/reflection packages, OpenTelemetry and prometheus-client, all pure
@@ -63,6 +63,15 @@ run)
                     --prompt-tokens 128 --max-tokens 48 --envelopes chain4,tree-small \
                     --methods model,eagle3 --json "$OUT/accept.json" ${ACCEPT_ARGS:-} \
                     >>"$log" 2>&1 ;;
+        dflash-train)   # the tiny DFlash drafter retrained; its files and both drafters'
+                        # acceptance come back (the tokenizer is the shipped one's)
+            timeout "${TRAIN_S:-400}" python3 bench/train_tiny.py --out /tmp/dft --device cuda \
+                --only dflash --base common/checkpoints ${TRAIN_ARGS:-} >>"$log" 2>&1
+            cp /tmp/dft/tiny-code-dflash/{config.json,model.safetensors,TRAINING.json} "$OUT/"
+            for d in common/checkpoints/tiny-code-dflash /tmp/dft/tiny-code-dflash; do
+                timeout 120 python3 -m common.cli bench-accept --device cuda --methods dflash \
+                    --draft "$d" --envelopes block16,block8 --files 8 >>"$log" 2>&1
+            done ;;
         esac
         echo "rc=$? ($(date +%T))" >>"$log"
     done
