@@ -32,6 +32,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import torch
+
 from common.errors import InvalidRequest
 from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
 from common.tree import TreeBatch, TreeEnvelope
@@ -140,6 +142,7 @@ class DraftEngine:
             return SpecResponse(req.step_id, [], TreeBatch.padding(0, self.env.num_nodes), [])
         ids = [u.seq_id for u in req.seqs]
         try:
+            self._project(req.seqs)
             live = [r for r, u in enumerate(req.seqs) if self._apply(u)]
             evicted = self._evict()
             live = [r for r in live if ids[r] not in evicted]
@@ -174,6 +177,23 @@ class DraftEngine:
                          self._slow, SLOW_STEP_MS)
         self.observer.step_finished(DraftStepRecord(req, resp, t0, tp0, tp1, time.time_ns()))
         return resp
+
+    def _project(self, updates: list[SeqUpdate]) -> None:
+        """Rows that came as the target's layers, through the proposer's projection in
+        one product for the request (a product per sequence would read its weight once a
+        sequence); projected rows, and any update() will refuse, pass as they are."""
+        proj = getattr(self.proposer, "projection", None)
+        if not projected_width(self.proposer):
+            return
+        raw = [u for u in updates if u.hidden is not None and u.hidden.dim() == 2
+               and u.hidden.shape[1] == proj.shape[1]]
+        if not raw:
+            return
+        # each to the device first: from the (pinned) shared buffer a copy is DMA
+        rows = [u.hidden.to(proj.device, proj.dtype, non_blocking=True) for u in raw]
+        out = torch.nn.functional.linear(torch.cat(rows), proj)
+        for u, rows in zip(raw, out.split([u.hidden.shape[0] for u in raw])):
+            u.hidden = rows
 
     def _apply(self, u: SeqUpdate) -> bool:
         """Bring one sequence up to date; False if it must resync."""

@@ -156,22 +156,6 @@ def test_a_shallower_budget_takes_the_first_positions(dflash_dir, target4):
     assert tp(prop.propose([1]))[0].tolist() == whole[0].tolist()
 
 
-def test_projected_rows_draft_what_the_targets_layers_draft(dflash_dir, target4):
-    """Rows sent through fc (as a verify that fetched the projection sends them) give
-    the block the target's layers give; zero rows do not."""
-    toks = torch.randint(0, 95, (12,), generator=torch.Generator().manual_seed(5)).tolist()
-    f = _features(target4, toks)
-    rows = torch.cat([torch.zeros(1, f.shape[1]), f])[:len(toks)]
-    blocks = []
-    for feed in (lambda p: rows, lambda p: torch.nn.functional.linear(rows, p.projection),
-                 lambda p: torch.zeros(len(toks), p.feature_size)):
-        prop = _proposer(dflash_dir, target4, "block8")
-        prop.update(1, toks[:8], 8, [], feed(prop)[:8])
-        prop.update(1, toks, len(toks) - 8, [], feed(prop)[8:])
-        blocks.append(tp(prop.propose([1]))[0].tolist())
-    assert blocks[0] == blocks[1] != blocks[2]
-
-
 def test_bad_checkpoints_and_flags_are_named(dflash_dir, target4, tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match="drafts 7 positions"):
         _proposer(dflash_dir, target4, "block16")
