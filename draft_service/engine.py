@@ -182,16 +182,17 @@ class DraftEngine:
         """Rows that came as the target's layers, through the proposer's projection in
         one product for the request (a product per sequence would read its weight once a
         sequence); projected rows, and any update() will refuse, pass as they are."""
-        proj = getattr(self.proposer, "projection", None)
         if not projected_width(self.proposer):
             return
+        proj = self.proposer.projection
         raw = [u for u in updates if u.hidden is not None and u.hidden.dim() == 2
                and u.hidden.shape[1] == proj.shape[1]]
         if not raw:
             return
         # each to the device first: from the (pinned) shared buffer a copy is DMA
-        rows = [u.hidden.to(proj.device, proj.dtype, non_blocking=True) for u in raw]
-        out = torch.nn.functional.linear(torch.cat(rows), proj)
+        out = torch.nn.functional.linear(
+            torch.cat([u.hidden.to(proj.device, proj.dtype, non_blocking=True) for u in raw]),
+            proj)
         for u, rows in zip(raw, out.split([u.hidden.shape[0] for u in raw])):
             u.hidden = rows
 
