@@ -63,12 +63,22 @@ run)
                     --prompt-tokens 128 --max-tokens 48 --envelopes chain4,tree-small \
                     --methods model,eagle3 --json "$OUT/accept.json" ${ACCEPT_ARGS:-} \
                     >>"$log" 2>&1 ;;
-        dflash-train)   # the tiny DFlash drafter retrained; its files and both drafters'
-                        # acceptance come back (the tokenizer is the shipped one's)
-            timeout "${TRAIN_S:-400}" python3 bench/train_tiny.py --out /tmp/dft --device cuda \
-                --only dflash --base common/checkpoints ${TRAIN_ARGS:-} >>"$log" 2>&1
-            cp /tmp/dft/tiny-code-dflash/{config.json,model.safetensors,TRAINING.json} "$OUT/"
-            for d in common/checkpoints/tiny-code-dflash /tmp/dft/tiny-code-dflash; do
+        dflash-train)   # the tiny DFlash drafter retrained, once per ';'-separated part of
+                        # TRAIN_ARGS (v1, v2, ...); each one's files come back as a tar,
+                        # and the shipped and each new drafter's acceptance in the log
+            IFS=';' read -ra variants <<<"${TRAIN_ARGS:-}"
+            drafters=(common/checkpoints/tiny-code-dflash)
+            for i in "${!variants[@]}"; do
+                v=/tmp/dft/v$((i + 1))
+                echo "-- v$((i + 1)): ${variants[$i]}" >>"$log"
+                timeout "${TRAIN_S:-400}" python3 bench/train_tiny.py --out "$v" --device cuda \
+                    --only dflash --base common/checkpoints ${variants[$i]} >>"$log" 2>&1
+                tar -cf "$OUT/dflash_v$((i + 1)).tar" -C "$v/tiny-code-dflash" \
+                    config.json model.safetensors TRAINING.json
+                drafters+=("$v/tiny-code-dflash")
+            done
+            for d in "${drafters[@]}"; do
+                echo "-- bench-accept $d" >>"$log"
                 timeout 120 python3 -m common.cli bench-accept --device cuda --methods dflash \
                     --draft "$d" --envelopes block16,block8 --files 8 >>"$log" 2>&1
             done ;;

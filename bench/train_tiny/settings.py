@@ -127,6 +127,11 @@ def parse_args(argv: list[str] | None = None) -> Settings:
                    help="target-greedy sequences generated for distillation (0: real text only)")
     p.add_argument("--gen-mix", type=float, default=None,
                    help="share of distillation steps on generated sequences")
+    p.add_argument("--dflash-layers", type=int, default=None, help="DFlash drafter layers")
+    p.add_argument("--dflash-anchors", type=int, default=None,
+                   help="DFlash blocks drawn per training window")
+    p.add_argument("--dflash-gamma", type=float, default=None,
+                   help="DFlash loss weight decay over block positions")
     p.add_argument("--dflash-init", default=None,
                    help="with --only dflash: go on training this DFlash drafter")
     p.add_argument("--eval-prompts", type=int, default=None)
@@ -158,8 +163,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         s = replace(s, dflash_stage=replace(s.dflash_stage, batch=a.dflash_batch))
     if a.dflash_lr is not None:
         s = replace(s, dflash_stage=replace(s.dflash_stage, lr=a.dflash_lr))
-    for name in ("gen_seqs", "gen_mix", "dflash_init", "eval_prompts", "log_every",
-                 "eval_every"):
+    for name in ("gen_seqs", "gen_mix", "dflash_init", "dflash_layers", "dflash_anchors",
+                 "dflash_gamma", "eval_prompts", "log_every", "eval_every"):
         if getattr(a, name) is not None:
             s = replace(s, **{name: getattr(a, name)})
     return s
