@@ -203,13 +203,15 @@ def test_dflash_trains_against_an_existing_target_and_serves(trained, tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "train_tiny.py"), "--out", str(tmp_path),
            "--device", "cpu", "--tiny", "--max-files", "20", "--steps", "8",
            "--minutes-budget", "0.5", "--gen-seqs", "4", "--eval-prompts", "2",
-           "--only", "dflash", "--base", str(trained)]
+           "--only", "dflash", "--base", str(trained), "--dflash-layers", "2",
+           "--dflash-anchors", "4"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "tokens/step (held-out, teacher-forced)" in proc.stdout
     path = tmp_path / "tiny-code-dflash"
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 8
+    assert cfg["num_hidden_layers"] == len(cfg["dflash_config"]["target_layer_ids"]) == 2
     head = DFlashHead.from_pretrained(path, trained / "tiny-code")
     assert head.spec.capture_layers == tuple(i + 1 for i in cfg["dflash_config"]["target_layer_ids"])
     # --dflash-init goes on from that drafter (at learning rate 0 it stays that drafter)
