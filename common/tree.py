@@ -60,8 +60,6 @@ PRESETS: dict[str, TreeEnvelope] = {
     # a DFlash block of 8 / 16 drafts 7 / 15 positions in one forward
     "block8": TreeEnvelope(depth=7, topk=1, num_nodes=7, name="block8"),
     "block16": TreeEnvelope(depth=15, topk=1, num_nodes=15, name="block16"),
-    # block16's verify width as a tree: each position's top 4, the best 16 paths' nodes
-    "block16-tree": TreeEnvelope(depth=15, topk=4, num_nodes=16, name="block16-tree"),
 }
 
 

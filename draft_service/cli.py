@@ -20,7 +20,7 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
                    "safetensors file holding model.embed_tokens.weight; dflash: the "
                    "target's checkpoint dir (its embedding and LM head)")
     d.add_argument("--envelope", help="tree preset: chain4 (default; dflash: its block, "
-                   "block8 or block16), tree-small, tree-wide, block16-tree")
+                   "block8 or block16), tree-small, tree-wide")
     d.add_argument("--depth", type=int, help="custom envelope: longest path, in nodes")
     d.add_argument("--topk", type=int, help="custom envelope: children per expanded node")
     d.add_argument("--nodes", type=int, help="custom envelope: nodes per tree")

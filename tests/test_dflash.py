@@ -240,15 +240,14 @@ SHIPPED = SHIPPED_DIR / "tiny-code-dflash"
 
 @pytest.mark.skipif(not (SHIPPED / "config.json").exists(),
                     reason="the shipped tiny-code-dflash checkpoint is not there")
-@pytest.mark.parametrize("envelope", ["block16", "block16-tree"])
-def test_shipped_drafter_speculates_on_the_shipped_target(envelope):
+def test_shipped_drafter_speculates_on_the_shipped_target():
     target = SHIPPED_DIR / "tiny-code"
     from transformers import AutoTokenizer
     prompt = AutoTokenizer.from_pretrained(target).encode(
         "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n")
 
     async def go():
-        async with services(target, "dflash", SHIPPED, envelope,
+        async with services(target, "dflash", SHIPPED, "block16",
                             draft_kw={"target_embeddings": "tiny-code"}) as h:
             async with AsyncTreespecClient(h["addr"]) as c:
                 return await c.generate(prompt_ids=prompt, max_tokens=32, ignore_eos=True)
