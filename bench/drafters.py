@@ -11,8 +11,9 @@ shape with the target's embeddings), or the shadow replay instrument (mode shado
 the same drafter's whole step, its tree then replaced by the replay's continuation at
 3 correct tokens of 4: what it buys at 4 tokens a step; mode shadowraw: the same with
 the hidden states crossing unprojected, the projection's side-by-side). Plain decode runs first in
-the same verify service (speculation off); its outputs are the reference every
-speculative output must equal. Both services run as CLI processes on their defaults,
+the same verify service (speculation off), and again after the last row; its outputs
+are the reference every speculative output must equal, and each row's ratio is over
+the mean of the two plain passes (`plain_again`: their drift is the run's noise floor). Both services run as CLI processes on their defaults,
 but for the verify's --max-batch and both services' --num-blocks (64 sequences of
 1024 + 256 tokens). Per row: tok/s, its ratio to plain, the step, the draft's part of it, and
 plain-decode steps by reason. `--target-shape tiny --draft-shape tiny --device cpu`
@@ -178,13 +179,7 @@ def main() -> None:
         "--draft", f"127.0.0.1:{port}", *a.verify_args.split()))
     try:
         url = metrics_url(v)
-        for b in batches:
-            r = throughput(v.addr, sets[b], a.max_tokens, no_spec=True, metrics=url,
-                           reps=3 if b == 1 else 1, warmup=a.warmup_tokens,
-                           sampling=sampling(a))
-            res["plain"][str(b)] = {**{k: r[k] for k in ("tok_s", "step_ms") if k in r},
-                                    "ids": r["ids"]}
-            print(f"plain b={b}: {r['tok_s']:.1f} tok/s", flush=True)
+        res["plain"] = plain_pass(v.addr, sets, a, url)
         cont = work / "continuations.json"
         cont.write_text(json.dumps([{"prompt": p, "continuation": c} for b in batches
                                     for p, c in zip(sets[b], res["plain"][str(b)]["ids"])]))
@@ -203,12 +198,34 @@ def main() -> None:
                     res["errors"][key] = f"{type(e).__name__}: {e}"
                     print(f"{key}: {res['errors'][key]}", flush=True)
                 out.write_text(json.dumps(strip(res), indent=1))
+        # plain decode again at the end: rows are over the mean of both passes
+        after = plain_pass(v.addr, sets, a, url, "plain again")
+        for b, p in after.items():
+            first = res["plain"][b]
+            res.setdefault("plain_again", {})[b] = {
+                **{k: x for k, x in p.items() if k != "ids"},
+                "lossless": all(f is None for f in first_divergence(p["ids"], first["ids"]))}
+            for rows in res["rows"].values():
+                if b in rows:
+                    rows[b]["over_plain"] = 2 * rows[b]["tok_s"] / (first["tok_s"] + p["tok_s"])
     finally:
         v.stop()
         (work / "verify.log").write_text(v.output())
     out.write_text(json.dumps(strip(res), indent=1))
     plot(res, out.with_suffix(".png"))
     print("total s:", round(time.monotonic() - t0))
+
+
+def plain_pass(addr: str, sets: dict, a: argparse.Namespace, url: str | None,
+               label: str = "plain") -> dict:
+    """Plain decode (no_speculation) at every batch: tok/s, step and the token ids."""
+    res = {}
+    for b, prompts in sets.items():
+        r = throughput(addr, prompts, a.max_tokens, no_spec=True, metrics=url,
+                       reps=3 if b == 1 else 1, warmup=a.warmup_tokens, sampling=sampling(a))
+        res[str(b)] = {**{k: r[k] for k in ("tok_s", "step_ms") if k in r}, "ids": r["ids"]}
+        print(f"{label} b={b}: {r['tok_s']:.1f} tok/s", flush=True)
+    return res
 
 
 def run_config(method: str, envelope: str, mode: str, port: int, work: Path,

@@ -8,7 +8,10 @@ greedy, the table and the JSON rows consistent."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -52,7 +55,8 @@ def benches(tmp_path_factory):
         argv, env = bench_argv(name, d)
         with open(d / "stdout", "w") as out, open(d / "stderr", "w") as err:
             runs[name] = (d, subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err,
-                                              stdin=subprocess.DEVNULL))
+                                              stdin=subprocess.DEVNULL,
+                                              start_new_session=True))
 
     def result(name: str) -> tuple[dict, str]:
         d, proc = runs[name]
@@ -63,10 +67,10 @@ def benches(tmp_path_factory):
     try:
         yield result
     finally:
-        for _, proc in runs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for _, proc in runs.values():    # a run's services too, were it cut short
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def test_h200_bench_runs_end_to_end_at_a_tiny_shape(benches):
@@ -108,6 +112,11 @@ def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(benches):
     plain decode in the same verify service."""
     r, _ = benches("drafters")
     assert r["errors"] == {} and r["plain"]["1"]["tok_s"] > 0
+    again = r["plain_again"]["1"]         # plain decode before and after the rows
+    assert again["lossless"] and again["tok_s"] > 0
+    for rows in r["rows"].values():
+        assert rows["1"]["over_plain"] == pytest.approx(
+            2 * rows["1"]["tok_s"] / (r["plain"]["1"]["tok_s"] + again["tok_s"]))
     rand, shadow = r["rows"]["eagle3:chain4:random"]["1"], r["rows"]["eagle3:chain4:shadow"]["1"]
     raw = r["rows"]["eagle3:chain4:shadowraw"]["1"]
     assert rand["lossless"] and shadow["lossless"] and raw["lossless"]
