@@ -19,9 +19,13 @@ BENCH = Path(__file__).resolve().parent
 
 def start(name: str, argv: list[str], timeout: float = 600,
           env: dict[str, str] | None = None) -> ServiceProcess:
-    """A service process; env adds variables."""
+    """A service process; env adds variables. One that does not come up is stopped."""
     svc = ServiceProcess(name, argv, env=child_env(env))
-    svc.wait_listening(timeout)
+    try:
+        svc.wait_listening(timeout)
+    except RuntimeError:
+        svc.stop()
+        raise
     return svc
 
 
@@ -131,9 +135,10 @@ def replay_phase(target: str, device: str, work: Path, label: str, drafting: tup
                                 for p, c in zip(sets[b], refs[b])]))
     d = start(f"{label}-draft", [sys.executable, str(BENCH / "replay.py"), "--continuations",
                                  str(cont), *drafting, "--port", "0"])
-    v = start("verify", verify_argv(target, device, d.addr, max(sets), verify_extra))
     outs: dict[int, list[list[int]]] = {}
+    v = None
     try:
+        v = start("verify", verify_argv(target, device, d.addr, max(sets), verify_extra))
         for b, prompts in sets.items():
             r = throughput(v.addr, prompts, max_tokens, no_spec=False, metrics=metrics_url(v),
                            reps=(reps or {}).get(b, 1))
@@ -148,7 +153,8 @@ def replay_phase(target: str, device: str, work: Path, label: str, drafting: tup
                   f" equal to plain decode: {res[f'{label}_b{b}']['lossless']}, to its "
                   f"reference: {res[f'{label}_b{b}']['identical_to_reference']}", flush=True)
     finally:
-        v.stop()
+        if v is not None:
+            v.stop()
         d.stop()
     return outs
 
@@ -158,8 +164,9 @@ def model_phase(target: str, draft: str, device: str, draft_device: str,
     d = start("model-draft", cli_command("draft", "--method", "model", "--model", draft,
                                          "--envelope", "chain4", "--port", "0",
                                          "--device", draft_device))
-    v = start("verify", verify_argv(target, device, d.addr, max_batch))
+    v = None
     try:
+        v = start("verify", verify_argv(target, device, d.addr, max_batch))
         r = throughput(v.addr, prompts, max_tokens, no_spec=False, metrics=metrics_url(v))
         r.pop("ids")
         print(f"draft-model b={len(prompts)}: {r['tok_s']:.1f} tok/s, "
@@ -171,7 +178,8 @@ def model_phase(target: str, draft: str, device: str, draft_device: str,
             print("verify service output:\n" + r["verify_log"], flush=True)
         return r
     finally:
-        v.stop()
+        if v is not None:
+            v.stop()
         d.stop()
 
 

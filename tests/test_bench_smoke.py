@@ -120,8 +120,10 @@ def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(benches):
     rand, shadow = r["rows"]["eagle3:chain4:random"]["1"], r["rows"]["eagle3:chain4:shadow"]["1"]
     raw = r["rows"]["eagle3:chain4:shadowraw"]["1"]
     assert rand["lossless"] and shadow["lossless"] and raw["lossless"]
-    # the verify sends the head's fc of the 3 layers' states: a third of the bytes
-    assert raw["hidden_bytes_per_step"] == 3 * shadow["hidden_bytes_per_step"] > 0
+    # the verify sends the head's fc of the 3 layers' states: a third of the bytes a
+    # token (per step it varies with how the rows' catch-ups fell: steps are timed;
+    # tests/test_serving_load.py bounds the bytes a token)
+    assert raw["hidden_bytes_per_step"] > 1.5 * shadow["hidden_bytes_per_step"] > 0
     assert not rand["fallbacks"]
     assert shadow["tokens_per_step"] == 4.0      # 9 = the prefill's token and 2 steps of 4
     assert shadow["hop_draft_ms"] > 0 and rand["hop_draft_ms"] > 0
