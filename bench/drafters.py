@@ -10,12 +10,13 @@ the draft model is Qwen3-0.6B-shaped, the EAGLE-3 head the published Qwen3-8B on
 shape with the target's embeddings), or the shadow replay instrument (mode shadow:
 the same drafter's whole step, its tree then replaced by the replay's continuation at
 3 correct tokens of 4: what it buys at 4 tokens a step; mode shadowraw: the same with
-the hidden states crossing unprojected, the projection's side-by-side). Plain decode runs first in
-the same verify service (speculation off), and again after the last row; its outputs
-are the reference every speculative output must equal, and each row's ratio is over
-the mean of the two plain passes (`plain_again`: their drift is the run's noise floor). Both services run as CLI processes on their defaults,
-but for the verify's --max-batch and both services' --num-blocks (64 sequences of
-1024 + 256 tokens). Per row: tok/s, its ratio to plain, the step, the draft's part of it, and
+the hidden states crossing unprojected, the projection's side-by-side). Plain decode
+runs first in the same verify service (speculation off), and again after the last row;
+its outputs are the reference every speculative output must equal, and each row's
+ratio is over the mean of the two plain passes (`plain_again`: their drift is the run's
+noise floor). Both services run as CLI processes on their defaults, but for the
+verify's --max-batch and both services' --num-blocks (64 sequences of 1024 + 256
+tokens). Per row: tok/s, its ratio to plain, the step, the draft's part of it, and
 plain-decode steps by reason. `--target-shape tiny --draft-shape tiny --device cpu`
 runs the whole path on a CPU.
 """
