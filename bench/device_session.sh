@@ -80,7 +80,7 @@ run)
             for d in "${drafters[@]}"; do
                 echo "-- bench-accept $d" >>"$log"
                 timeout 120 python3 -m common.cli bench-accept --device cuda --methods dflash \
-                    --draft "$d" --envelopes block16 --files 8 >>"$log" 2>&1
+                    --draft "$d" --envelopes block16,block8 --files 8 >>"$log" 2>&1
             done ;;
         esac
         echo "rc=$? ($(date +%T))" >>"$log"

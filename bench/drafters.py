@@ -200,12 +200,10 @@ def main() -> None:
                     print(f"{key}: {res['errors'][key]}", flush=True)
                 out.write_text(json.dumps(strip(res), indent=1))
         # plain decode again at the end: rows are over the mean of both passes
-        after = plain_pass(v.addr, sets, a, url, "plain again")
-        for b, p in after.items():
+        res["plain_again"] = plain_pass(v.addr, sets, a, url, "plain again")
+        for b, p in res["plain_again"].items():
             first = res["plain"][b]
-            res.setdefault("plain_again", {})[b] = {
-                **{k: x for k, x in p.items() if k != "ids"},
-                "lossless": all(f is None for f in first_divergence(p["ids"], first["ids"]))}
+            p["lossless"] = all(f is None for f in first_divergence(p["ids"], first["ids"]))
             for rows in res["rows"].values():
                 if b in rows:
                     rows[b]["over_plain"] = 2 * rows[b]["tok_s"] / (first["tok_s"] + p["tok_s"])
@@ -267,8 +265,9 @@ def run_config(method: str, envelope: str, mode: str, port: int, work: Path,
 
 def strip(res: dict) -> dict:
     """res without the reference token ids (they only serve the lossless check)."""
-    return {**res, "plain": {b: {k: v for k, v in p.items() if k != "ids"}
-                             for b, p in res["plain"].items()}}
+    return {**res, **{key: {b: {k: v for k, v in p.items() if k != "ids"}
+                            for b, p in res[key].items()}
+                      for key in ("plain", "plain_again") if key in res}}
 
 
 def plot(res: dict, path: Path) -> None:
