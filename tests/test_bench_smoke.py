@@ -64,6 +64,7 @@ def benches(tmp_path_factory):
         stdout = (d / "stdout").read_text()
         assert code == 0, stdout[-3000:] + (d / "stderr").read_text()[-3000:]
         return json.loads((d / "out.json").read_text()), stdout
+    result.dirs = {name: d for name, (d, _) in runs.items()}
     try:
         yield result
     finally:
@@ -71,6 +72,16 @@ def benches(tmp_path_factory):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def service_logs(d: Path, lines: int = 30) -> str:
+    """The last lines each service of a run logged (nanobind's exit noise left out)."""
+    out = []
+    for log in sorted((d / "work").glob("*.log")):
+        kept = [x for x in log.read_text(errors="replace").splitlines()
+                if x.strip() and "leaked" not in x and not x.startswith((" - ", "nanobind"))]
+        out.append(f"--- {log.name}\n" + "\n".join(kept[-lines:]))
+    return "\n".join(out)
 
 
 def test_h200_bench_runs_end_to_end_at_a_tiny_shape(benches):
@@ -125,7 +136,8 @@ def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(benches):
     # tests/test_serving_load.py bounds the bytes a token)
     assert raw["hidden_bytes_per_step"] > 1.5 * shadow["hidden_bytes_per_step"] > 0
     assert not rand["fallbacks"]
-    assert shadow["tokens_per_step"] == 4.0      # 9 = the prefill's token and 2 steps of 4
+    # 9 = the prefill's token and 2 steps of 4
+    assert shadow["tokens_per_step"] == 4.0, (shadow, service_logs(benches.dirs["drafters"]))
     assert shadow["hop_draft_ms"] > 0 and rand["hop_draft_ms"] > 0
     for x in (rand, shadow):     # the draft's own metrics: its propose within its engine's step
         assert 0 < x["draft_propose_ms"] <= x["draft_engine_ms"]

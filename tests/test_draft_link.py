@@ -2,7 +2,7 @@
 an answer in time is returned, a late one gives "deadline", the step after it is
 "busy" until that late answer lands (and is never applied), then the link serves
 again; a drafter that goes away mid-wait gives "disconnected" at once, not at the
-deadline."""
+deadline; a release notice's slow answer does not make the next step plain."""
 
 from __future__ import annotations
 
@@ -101,6 +101,31 @@ def test_late_answers_give_deadline_then_busy_and_are_never_applied():
     assert late == "deadline" and busy == "busy"
     assert isinstance(after, TreeBatch) and after.step_id == 3
     assert bool((after.tokens == 3).all())      # step 2's late tree was dropped
+
+
+def test_a_slow_answer_to_a_release_notice_does_not_make_the_next_step_plain():
+    """Going idle, the link tells the draft what ended (a request of no sequences). The
+    next step's request queues behind that notice at the draft and is waited for: its
+    trees are used, not given up as "busy" while the notice's answer is still out."""
+    async def go():
+        server, link = await _linked(ScriptedDrafter({2: 0.4}))
+        other = Sequence(GenRequest(prompt_ids=(5, 6, 7), max_tokens=100), frozenset(),
+                         1000, seq_id=3000)
+        try:
+            first = await _propose(link, 1.0)
+            link.release([SEQ.seq_id])
+            await link.idle()                                   # step 2, answered at 0.4 s
+            t0 = time.perf_counter()
+            nxt = await link.propose([other], {})
+            return first, nxt, time.perf_counter() - t0
+        finally:
+            await link.close()
+            await server.stop(0.2)
+
+    first, nxt, waited = asyncio.run(go())
+    assert isinstance(first, TreeBatch)
+    assert nxt.fallback is None and nxt.step_id == 3 and bool((nxt.trees.tokens == 3).all())
+    assert waited >= 0.3                        # it came after the notice's answer
 
 
 def test_a_drafter_going_away_mid_wait_is_disconnected_at_once():

@@ -103,11 +103,12 @@ class DraftLink:
         self.sync.release(seq_ids)
 
     async def idle(self) -> None:
-        """Send what ended as a request of no sequences (its answer only frees the link)."""
+        """Send what ended as a request of no sequences. Nothing waits for its answer:
+        the draft takes requests in order, so the next step's request queues behind it
+        there and is waited for as any step's is."""
         if not (self.ready and self.sync.has_released and self._outstanding is None):
             return
         out = self.sync.request([], False, {})
-        self._outstanding = out.request.step_id
         try:
             await self._call.write(wire.spec_request_to_pb(out.request, self.sync.shared))
         except Exception as e:  # noqa: BLE001 - the connect loop sees the broken link
