@@ -90,15 +90,17 @@ def test_late_answers_give_deadline_then_busy_and_are_never_applied():
             got.append(await _propose(link, 0.1))               # answered at 0.4 s
             got.append(await _propose(link, 1.0))               # step 2 still running
             await asyncio.sleep(0.5)                            # its answer lands
+            got.append(link.take_unwaited())                    # no step waited for it
             got.append(await _propose(link, 1.0))
             return got
         finally:
             await link.close()
             await server.stop(0.2)
 
-    first, late, busy, after = asyncio.run(go())
+    first, late, busy, unwaited, after = asyncio.run(go())
     assert isinstance(first, TreeBatch) and first.step_id == 1
     assert late == "deadline" and busy == "busy"
+    assert 0.35 < unwaited[0] < 0.9 and unwaited[1] == 0.0     # a try's cost for the controller
     assert isinstance(after, TreeBatch) and after.step_id == 3
     assert bool((after.tokens == 3).all())      # step 2's late tree was dropped
 
@@ -149,8 +151,8 @@ def test_a_catch_up_predicted_late_is_sent_without_waiting():
     """The draft's catch-up rate is measured on a long prompt's answer; a later request
     whose catch-up it predicts past half the deadline is sent without waiting (the step
     decodes plain at once, its row syncing) instead of waiting out the deadline. The
-    draft's time on such a request is kept for the controller (a try's cost) when it
-    brings back a sequence the draft held, not when it brings a new prompt. Given the
+    draft's time on such a request is kept for the controller (a try's cost), apart
+    for requests that bring a new prompt. Given the
     step's cost, a catch-up predicted longer than that step is not waited for either,
     however long the deadline (the batch would commit nothing meanwhile)."""
     def seq(i: int) -> Sequence:
@@ -184,7 +186,8 @@ def test_a_catch_up_predicted_late_is_sent_without_waiting():
     first, rate, second, waited, fresh, third, spent, again, fourth = asyncio.run(go())
     assert first.trees is not None and 1200 / 0.6 < rate < 1200 / 0.3
     assert second.trees is None and second.fallback is None and second.syncing == [0]
-    assert waited < 0.15 and second.fresh and fresh == 0.0
+    assert waited < 0.15 and second.fresh
+    assert fresh[0] == 0.0 and 0.25 < fresh[1] < 0.5         # a new prompt's, apart
     assert third.trees is None and third.catch_up and not third.fresh
-    assert 0.25 < spent < 0.5 and again == 0.0
+    assert 0.25 < spent[0] < 0.5 and spent[1] == 0.0 and again == (0.0, 0.0)
     assert fourth.trees is None and fourth.syncing == [0] and fourth.catch_up

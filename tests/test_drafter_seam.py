@@ -58,7 +58,7 @@ class ContinuationDrafter:
         self.released += seq_ids
 
     def take_unwaited(self):
-        return 0.0
+        return 0.0, 0.0
 
     async def idle(self):
         pass

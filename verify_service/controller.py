@@ -29,7 +29,9 @@ missed while the sequence rested (waited for: the step's time over that budget's
 measured step; or sent without waiting: the draft's time on it, paid for by the steps
 beside it where the draft shares the GPU). That extra (a running average per bucket)
 sets a floor on both rests: long enough that tries cost at most ``RETRY_SHARE`` of the
-plain steps between them. A new draft
+plain steps between them. A retry of the batch also brings the draft every prompt that
+came since (a 1024-token prompt costs a 0.6B draft tens of plain steps' time): what
+taking in new prompts adds (its own average) raises that rest's floor too. A new draft
 handshake starts it over. Modes: adaptive (this), always (every sequence, the whole
 envelope, every step), off (the draft is never asked). A budget changes speed, never
 tokens.
@@ -149,6 +151,7 @@ class Controller:
         self.batch = self.seqs = None       # Counts: of the batch (one row), per sequence
         self._cost: dict[tuple[int, int], float] = {}
         self._catch_up: dict[int, float] = {}       # per bucket: what a catch-up adds, s
+        self._fresh: dict[int, float] = {}          # ... taking in new prompts, s
         self._spec_steps: dict[int, int] = {}       # speculating steps measured per bucket
         self.steps = 0
         self._plain_run, self._retry = 0, 16
@@ -164,6 +167,7 @@ class Controller:
             self.seqs = Counts(self.env.depth, SEQ_DECAY)
             self._cost.clear()
             self._catch_up.clear()
+            self._fresh.clear()
             self._spec_steps.clear()
             self._plain_run, self._retry = 0, 16
             self._settled = None
@@ -235,11 +239,13 @@ class Controller:
         return self._cost[(d, x)] / self._cost[(0, x)]
 
     def observe(self, plan: Plan, seq_ids: list[int], accepted: list[int], b: int,
-                seconds: float | None, caught_up: bool = False) -> None:
+                seconds: float | None, caught_up: bool = False, fresh: bool = False
+                ) -> None:
         """What the planned step did: the accepted path length of each row asked (in
         plan.rows' order; -1: no tree, still syncing), its wall time (None: it captured
         a graph) and whether the draft caught up with a sequence in it (then the wall
-        time is what a try costs, not what a step of its shape does)."""
+        time is what a try costs, not what a step of its shape does), fresh: with a
+        new prompt."""
         self.steps += 1
         if self.mode != "adaptive" or self.batch is None:
             return
@@ -247,7 +253,7 @@ class Controller:
         if plan.depth and (got or not plan.forced):     # a try all syncing: tried again
             self._plain_run, self._settled = 0, None
             self._retry = max(min(2 * self._retry, MAX_RETRY) if plan.forced else 16,
-                              self._rest_floor(b))
+                              self._rest_floor(b, fresh=True))
             if got:
                 slots = self.seqs.slots([seq_ids[r] for r, _ in got])
                 tried, hit = self.seqs.add(slots, plan.depth, np.array([a for _, a in got]))
@@ -261,7 +267,8 @@ class Controller:
         if seconds is not None and caught_up:     # what the catch-up added to the step
             base = self._cost.get((plan.depth, b), self._cost.get((0, b)))
             if base is not None:
-                self._note_catch_up(b, max(0.0, seconds - base))
+                self._note(self._fresh if fresh else self._catch_up, b,
+                           max(0.0, seconds - base))
         elif seconds is not None:
             old = self._cost.get((plan.depth, b))
             if old is None:
@@ -286,21 +293,27 @@ class Controller:
         s.rest_until[tired] = self.steps + np.maximum(s.backoff[tired], self._rest_floor(b))
         s.backoff[tired] = np.minimum(2 * s.backoff[tired], MAX_RETRY)
 
-    def charge(self, b: int, seconds: float) -> None:
-        """Draft time no step waited for (a catch-up sent without waiting): a try's
-        cost all the same, where the draft shares the GPU (counted as if it did)."""
-        if seconds > 0 and self.batch is not None:
-            self._note_catch_up(b, seconds)
+    def charge(self, b: int, seconds: float, fresh_seconds: float = 0.0) -> None:
+        """Draft time no step waited for (a catch-up sent without waiting, an answer
+        past the deadline) on returning sequences and on new prompts: a try's cost all
+        the same, where the draft shares the GPU (counted as if it did)."""
+        if self.batch is not None:
+            for into, x in ((self._catch_up, seconds), (self._fresh, fresh_seconds)):
+                if x > 0:
+                    self._note(into, b, x)
 
-    def _note_catch_up(self, b: int, extra: float) -> None:
-        old = self._catch_up.get(b)
-        self._catch_up[b] = extra if old is None else old + 0.3 * (extra - old)
+    @staticmethod
+    def _note(into: dict[int, float], b: int, extra: float) -> None:
+        old = into.get(b)
+        into[b] = extra if old is None else old + 0.3 * (extra - old)
 
-    def _rest_floor(self, b: int) -> int:
+    def _rest_floor(self, b: int, fresh: bool = False) -> int:
         """Plain steps between two tries so that what a try's catch-up adds is at most
-        RETRY_SHARE of them (0 until measured)."""
-        extra, plain = self._catch_up.get(b), self._cost.get((0, b))
-        if extra is None or not plain:
+        RETRY_SHARE of them (0 until measured); fresh: a retry of the batch, which
+        brings the draft the new prompts too."""
+        extra = self._catch_up.get(b, 0.0) + (self._fresh.get(b, 0.0) if fresh else 0.0)
+        plain = self._cost.get((0, b))
+        if not extra or not plain:
             return 0
         return min(MAX_REST, int(extra / (RETRY_SHARE * plain)))
 

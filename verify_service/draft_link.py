@@ -78,8 +78,11 @@ class DraftLink:
         # brought it at least MEASURE_CATCH_UP (None: not yet): predicts late answers
         self.catch_up_rate: float | None = None
         self._sent = (0, 0, 0)               # the last request: step id, new tokens, ns
-        self._blind = 0                      # the last request sent without waiting (of
-        self.unwaited_s = 0.0                # returning sequences), the draft's time on them
+        # the last request no step waited for (sent so, or past its deadline), whether
+        # it brought a new prompt, and the draft's time on such requests: (returning
+        # sequences, new prompts)
+        self._blind, self._blind_fresh = 0, False
+        self.unwaited_s = [0.0, 0.0]
         self._down: str | None = None          # why the draft is unreachable, last logged
         self._closed = False
 
@@ -220,9 +223,8 @@ class DraftLink:
         over the measured catch_up_rate): sent without waiting, so the step decodes
         plain while the draft takes it in (the answer only frees the draft for the next
         request)."""
-        # a try's cost is a returning sequence's catch-up; a new one's prompt is paid once
         self._outstanding = step = out.request.step_id
-        self._blind = 0 if out.fresh else step
+        self._blind, self._blind_fresh = step, out.fresh
         try:
             await self._call.write(wire.spec_request_to_pb(out.request, self.sync.shared))
         except Exception as e:
@@ -236,8 +238,9 @@ class DraftLink:
     def _deliver(self, msg: pb.Proposal) -> None:
         """Hand the awaited answer to propose(); an answer nobody waits for (late, or
         to a request sent without waiting) frees the draft for the next step, and only
-        its resync list is applied. The draft's time on a request sent without waiting
-        adds to unwaited_s: on a GPU it shares, the steps beside it paid for it."""
+        its resync list is applied. The draft's time on a request no step waited for (sent
+        without waiting, or past its deadline) adds to unwaited_s, new prompts' apart: on
+        a GPU it shares, the steps beside it paid for it."""
         if msg.step_id != self._outstanding:
             return
         step, new, t_sent = self._sent
@@ -246,7 +249,7 @@ class DraftLink:
             self.catch_up_rate = new / took if self.catch_up_rate is None else \
                 0.5 * (self.catch_up_rate + new / took)
         if msg.step_id == self._blind:
-            self.unwaited_s += took
+            self.unwaited_s[self._blind_fresh] += took
         if self._waiter is not None and not self._waiter.done():
             self._t_answer = time.time_ns()
             self._waiter.set_result(msg)
@@ -254,9 +257,9 @@ class DraftLink:
             self._outstanding = None
             self.sync.resync(list(msg.resync))
 
-    def take_unwaited(self) -> float:
+    def take_unwaited(self) -> tuple[float, float]:
         """See verify_service.drafter.Drafter.take_unwaited."""
-        spent, self.unwaited_s = self.unwaited_s, 0.0
+        spent, self.unwaited_s = tuple(self.unwaited_s), [0.0, 0.0]
         return spent
 
     async def propose(self, seqs: list[Sequence], trace: dict[str, str],
@@ -301,7 +304,8 @@ class DraftLink:
         if msg is _EXPIRED or msg is _DROPPED:
             if msg is _DROPPED:
                 self._outstanding = None
-            else:
+            else:                           # its time counts once it answers
+                self._blind, self._blind_fresh = step, out.fresh
                 self._late += 1
                 if self._late in (1, 10) or self._late % 100 == 0:
                     log.info("draft step %d missed the %.0f ms deadline (%d so far): "

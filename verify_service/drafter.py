@@ -68,9 +68,11 @@ class Drafter(Protocol):
     def release(self, seq_ids: list[int]) -> None:
         """These sequences ended; the draft may forget them."""
 
-    def take_unwaited(self) -> float:
+    def take_unwaited(self) -> tuple[float, float]:
         """Seconds the draft spent since the last call on requests no step waited for
-        (catch-ups sent without waiting); the controller counts them as tries' cost."""
+        (catch-ups sent without waiting, answers past the deadline): on returning
+        sequences, and on requests bringing new prompts; the controller counts them as
+        tries' cost."""
 
     async def idle(self) -> None:
         """The engine has nothing to run: tell the draft now what ended (it would

@@ -238,7 +238,7 @@ class VerifyEngine:
         if self.link is None or not self.link.ready:
             return (Drafted(None, "no_draft" if self.link is None else "disconnected"),
                     Plan(0, rows))
-        self.controller.charge(bucket(len(seqs)), self.link.take_unwaited())
+        self.controller.charge(bucket(len(seqs)), *self.link.take_unwaited())
         plan = self.controller.plan(self.link.info, [s.seq_id for s in seqs], rows,
                                     bucket(len(seqs)))
         if not plan.depth:
@@ -287,8 +287,8 @@ class VerifyEngine:
                 plan, [s.seq_id for s in seqs],
                 [-1 if i in syncing else len(res.accepted[i]) for i in plan.rows],
                 bucket(len(seqs)), None if self.verifier.buckets.captures != captures or
-                drafted.catch_up and (trees is None or drafted.fresh)
-                else (time.time_ns() - t0) * 1e-9, drafted.catch_up)
+                drafted.catch_up and trees is None else (time.time_ns() - t0) * 1e-9,
+                drafted.catch_up, drafted.fresh)
         if isinstance(self.observer, NullObserver):
             return                       # telemetry off: not even a record is built
         self._observe_step(drafted, len(seqs), done, why, trees is not None, t0, t1, t2, plan)
