@@ -117,6 +117,7 @@ def test_a_slow_answer_to_a_release_notice_does_not_make_the_next_step_plain():
             first = await _propose(link, 1.0)
             link.release([SEQ.seq_id])
             await link.idle()                                   # step 2, answered at 0.4 s
+            link.deadline_s = 5.0
             t0 = time.perf_counter()
             nxt = await link.propose([other], {})
             return first, nxt, time.perf_counter() - t0
