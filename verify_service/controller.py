@@ -176,7 +176,7 @@ class Controller:
         """The budget for a step of len(seq_ids) sequences (batch bucket b) of which
         `rows` may speculate, with the draft of this handshake."""
         p = self._plan(info, seq_ids, rows, b)
-        p.rest_floor = self._rest_floor(b)
+        p.rest_floor = self._rest_floor(b, fresh=True)
         return p
 
     def _plan(self, info: DrafterInfo, seq_ids: list[int], rows: list[int], b: int) -> Plan:

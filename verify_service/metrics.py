@@ -33,7 +33,8 @@ treespec's own (vLLM has none of these):
     treespec:spec_budget_step_seconds            gauge: its measured time for that budget at
                                                  that batch bucket, last step (0: not yet)
     treespec:spec_rest_floor_steps               gauge: the fewest plain steps it keeps between
-                                                 tries, for what a try's catch-up costs
+                                                 tries, for what a try's catch-up (new
+                                                 prompts' included) costs
     treespec:draft_connected                     gauge, 1 while the Speculate stream is up
 """
 
@@ -110,7 +111,8 @@ class VerifyMetrics(EngineObserver):
                                  registry=r).labels(m)
         self.rest_floor = Gauge("treespec:spec_rest_floor_steps",
                                 "The fewest plain steps the controller keeps between tries "
-                                "of speculation, for what a try's catch-up costs.", lab,
+                                "of speculation, for what a try's catch-up (new prompts' "
+                                "included) costs.", lab,
                                 registry=r).labels(m)
         self.hidden_bytes = counter("treespec:draft_hidden_state_bytes",
                                     "Target hidden states sent to the draft (EAGLE-3), bytes.")
