@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench.step_metrics import metrics_url, step_breakdown, step_sums
 from common.client import AsyncTreespecClient
-from common.launch import ServiceProcess, child_env, cli_command
+from common.launch import ServiceProcess, child_env, cli_command, start_process
 
 BENCH = Path(__file__).resolve().parent
 
@@ -20,13 +20,7 @@ BENCH = Path(__file__).resolve().parent
 def start(name: str, argv: list[str], timeout: float = 600,
           env: dict[str, str] | None = None) -> ServiceProcess:
     """A service process; env adds variables. One that does not come up is stopped."""
-    svc = ServiceProcess(name, argv, env=child_env(env))
-    try:
-        svc.wait_listening(timeout)
-    except RuntimeError:
-        svc.stop()
-        raise
-    return svc
+    return start_process(name, argv, timeout, child_env(env))
 
 
 def verify_argv(model: str, device: str, draft: str | None, max_batch: int,
@@ -133,12 +127,10 @@ def replay_phase(target: str, device: str, work: Path, label: str, drafting: tup
     cont = work / f"{label}_continuations.json"
     cont.write_text(json.dumps([{"prompt": p, "continuation": c} for b in sets
                                 for p, c in zip(sets[b], refs[b])]))
-    d = start(f"{label}-draft", [sys.executable, str(BENCH / "replay.py"), "--continuations",
-                                 str(cont), *drafting, "--port", "0"])
     outs: dict[int, list[list[int]]] = {}
-    v = None
-    try:
-        v = start("verify", verify_argv(target, device, d.addr, max(sets), verify_extra))
+    with start(f"{label}-draft", [sys.executable, str(BENCH / "replay.py"), "--continuations",
+                                  str(cont), *drafting, "--port", "0"]) as d, \
+            start("verify", verify_argv(target, device, d.addr, max(sets), verify_extra)) as v:
         for b, prompts in sets.items():
             r = throughput(v.addr, prompts, max_tokens, no_spec=False, metrics=metrics_url(v),
                            reps=(reps or {}).get(b, 1))
@@ -152,21 +144,15 @@ def replay_phase(target: str, device: str, work: Path, label: str, drafting: tup
             print(f"{label} b={b}: {r['tok_s']:.1f} tok/s, {r['tokens_per_step']:.2f} tok/step,"
                   f" equal to plain decode: {res[f'{label}_b{b}']['lossless']}, to its "
                   f"reference: {res[f'{label}_b{b}']['identical_to_reference']}", flush=True)
-    finally:
-        if v is not None:
-            v.stop()
-        d.stop()
     return outs
 
 
 def model_phase(target: str, draft: str, device: str, draft_device: str,
                 prompts: list[list[int]], max_tokens: int, max_batch: int) -> dict:
-    d = start("model-draft", cli_command("draft", "--method", "model", "--model", draft,
-                                         "--envelope", "chain4", "--port", "0",
-                                         "--device", draft_device))
-    v = None
-    try:
-        v = start("verify", verify_argv(target, device, d.addr, max_batch))
+    with start("model-draft", cli_command("draft", "--method", "model", "--model", draft,
+                                          "--envelope", "chain4", "--port", "0",
+                                          "--device", draft_device)) as d, \
+            start("verify", verify_argv(target, device, d.addr, max_batch)) as v:
         r = throughput(v.addr, prompts, max_tokens, no_spec=False, metrics=metrics_url(v))
         r.pop("ids")
         print(f"draft-model b={len(prompts)}: {r['tok_s']:.1f} tok/s, "
@@ -177,10 +163,6 @@ def model_phase(target: str, draft: str, device: str, draft_device: str,
             print("draft service output:\n" + r["draft_log"], flush=True)
             print("verify service output:\n" + r["verify_log"], flush=True)
         return r
-    finally:
-        if v is not None:
-            v.stop()
-        d.stop()
 
 
 # side-by-side variants at the first batch size: key -> (what differs, the verify

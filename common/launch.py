@@ -98,7 +98,13 @@ class ServiceProcess:
 def start_service(name: str, cli_args: list[str], timeout: float = 120.0,
                   env: dict[str, str] | None = None) -> ServiceProcess:
     """Start `treespec <cli_args>` and wait for its listening line; stops it on failure."""
-    svc = ServiceProcess(name, cli_command(*cli_args), env=env)
+    return start_process(name, cli_command(*cli_args), timeout, env)
+
+
+def start_process(name: str, argv: list[str], timeout: float = 120.0,
+                  env: dict[str, str] | None = None) -> ServiceProcess:
+    """start_service for any argv that prints the listening line."""
+    svc = ServiceProcess(name, argv, env=env)
     try:
         svc.wait_listening(timeout)
     except BaseException:
