@@ -1,21 +1,24 @@
-"""An incremental index from n-grams to where they recur in one token sequence.
+"""Where the suffix of one token sequence recurred earlier in it.
 
-For every n in [n_min, n_max] and every position, the index maps the n tokens
-ending there to the *continuation start* right after them. Appending a token
-costs O(n_max); a lookup touches only the positions that matched.
+The tokens are kept twice: as a list (for slicing continuations) and as 4-byte
+words in one bytearray, where an n-gram is a 4n-byte pattern that ``rfind``
+looks up in C. Appending costs a copy of the new tokens, whatever n_min and
+n_max are: a 1024-token prompt is taken in at memcpy speed, where a per-n-gram
+dict took milliseconds (bench/NOTES.md, twenty-second session). A lookup scans
+the sequence once per n, backwards, and stops after the matches it needs.
 
-Example, n_min = 1, n_max = 2, tokens ``[5, 6, 7, 5, 6]``::
-
-    (5, 6) -> [2, 5]    (6,) -> [2, 5]    (5,) -> [1, 4]    (7,) -> [3]   (6, 7) -> [3] ...
-
-The suffix ``(5, 6)`` ends the sequence (start 5, which has no continuation), so
-``matches()`` yields start 2 for n = 2 and nothing new for n = 1 (start 2 again):
-the continuation is ``tokens[2:] = [7, 5, 6]``.
+Example, n_min = 1, n_max = 2, tokens ``[5, 6, 7, 5, 6]``: the suffix ``(5, 6)``
+occurred before, ending at 2, so ``matches()`` yields continuation start 2 for
+n = 2 and nothing new for n = 1 (start 2 again): the continuation is
+``tokens[2:] = [7, 5, 6]``.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator
+
+WORD = 4          # bytes a token (token ids are int32 on the wire)
 
 
 class NgramIndex:
@@ -24,19 +27,15 @@ class NgramIndex:
             raise ValueError("need 1 <= n_min <= n_max")
         self.n_min, self.n_max = n_min, n_max
         self.tokens: list[int] = []
-        self._starts: dict[tuple[int, ...], list[int]] = {}
+        self._words = bytearray()
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, new: list[int]) -> None:
-        """Append tokens and index every n-gram that ends at one of them."""
-        toks = self.tokens
-        for t in new:
-            toks.append(t)
-            end = len(toks)
-            for n in range(self.n_min, min(self.n_max, end) + 1):
-                self._starts.setdefault(tuple(toks[end - n:end]), []).append(end)
+        """Append tokens (ids in [0, 2**31))."""
+        self._words += array("i", new).tobytes()
+        self.tokens.extend(new)
 
     def matches(self, per_n: int) -> Iterator[int]:
         """Continuation starts of earlier occurrences of the sequence's suffix.
@@ -46,15 +45,21 @@ class NgramIndex:
         for a longer n is not repeated.
         """
         end = len(self.tokens)
+        words = self._words
         seen: set[int] = set()
         for n in range(min(self.n_max, end), self.n_min - 1, -1):
-            starts = self._starts.get(tuple(self.tokens[end - n:]), ())
+            pattern = words[(end - n) * WORD:]
+            hi = (end - 1) * WORD            # an occurrence ends before the last token
             taken = 0
-            for s in reversed(starts):
-                if taken == per_n:
+            while taken < per_n:
+                at = words.rfind(pattern, 0, hi)
+                if at < 0:
                     break
-                if s >= end or s in seen:
+                hi = at + len(pattern) - 1   # the next search: strictly to the left
+                if at % WORD:                # straddles two tokens: not an n-gram
                     continue
-                seen.add(s)
-                taken += 1
-                yield s
+                start = at // WORD + n
+                if start not in seen:
+                    seen.add(start)
+                    taken += 1
+                    yield start

@@ -37,6 +37,38 @@ def test_index_example_from_docstring():
     assert list(idx.matches(per_n=8)) == [2]
 
 
+def brute_matches(toks: list[int], n_min: int, n_max: int, per_n: int) -> list[int]:
+    """NgramIndex.matches by its definition: list comparisons at every position."""
+    end, seen, out = len(toks), set(), []
+    for n in range(min(n_max, end), n_min - 1, -1):
+        ends = [e for e in range(end - 1, n - 1, -1)
+                if toks[e - n:e] == toks[end - n:] and e not in seen][:per_n]
+        seen.update(ends)
+        out += ends
+    return out
+
+
+def test_index_matches_equal_a_search_by_definition():
+    # token ids whose 4-byte words line up across token boundaries, so the byte
+    # search finds straddling occurrences that must not count, and small vocabularies
+    # (many matches, per_n cuts them)
+    rng = random.Random(3)
+    words = [0, 1, 7, 256, 257, 65536, 65792, 1 << 24, 1 << 30]
+    straddle = NgramIndex(1, 1)
+    straddle.extend([256, 1, 9, 65536])       # 65536's bytes straddle 256 and 1
+    assert list(straddle.matches(8)) == []
+    for trial in range(400):
+        n_min = rng.randint(1, 3)
+        n_max, per_n = rng.randint(n_min, 5), rng.randint(1, 6)
+        vocab = words if trial % 2 else list(range(rng.randint(1, 8)))
+        idx, toks = NgramIndex(n_min, n_max), []
+        for _ in range(rng.randint(1, 6)):
+            new = [rng.choice(vocab) for _ in range(rng.randint(1, 12))]
+            toks += new
+            idx.extend(new)
+            assert list(idx.matches(per_n)) == brute_matches(toks, n_min, n_max, per_n)
+
+
 def test_repeated_span_gives_its_continuation():
     assert propose([1, 2, 3, 4, 5, 9, 1, 2, 3], CHAIN) == ([4, 5, 9], [-1, 0, 1])
 
