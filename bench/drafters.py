@@ -217,12 +217,14 @@ def main() -> None:
 
 def plain_pass(addr: str, sets: dict, a: argparse.Namespace, url: str | None,
                label: str = "plain") -> dict:
-    """Plain decode (no_speculation) at every batch: tok/s, step and the token ids."""
+    """Plain decode (no_speculation) at every batch: tok/s, the step and its forward (ms:
+    the speculative rows' plain steps compare with these) and the token ids."""
     res = {}
     for b, prompts in sets.items():
         r = throughput(addr, prompts, a.max_tokens, no_spec=True, metrics=url,
                        reps=3 if b == 1 else 1, warmup=a.warmup_tokens, sampling=sampling(a))
-        res[str(b)] = {**{k: r[k] for k in ("tok_s", "step_ms") if k in r}, "ids": r["ids"]}
+        res[str(b)] = {**{k: r[k] for k in ("tok_s", "step_ms", "verify_ms") if k in r},
+                       "ids": r["ids"]}
         print(f"{label} b={b}: {r['tok_s']:.1f} tok/s", flush=True)
     return res
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from common.block_manager import BlockManager
@@ -49,3 +50,9 @@ class PagedKVCache:
 
     def slot(self, seq: SeqPages, pos: int) -> int:
         return seq.pages[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def slots(self, seq: SeqPages, start: int, stop: int) -> np.ndarray:
+        """slot() of positions start .. stop - 1, int64 (a prompt's in microseconds)."""
+        at = np.arange(start, stop)
+        return np.asarray(seq.pages, dtype=np.int64)[at // self.block_size] * self.block_size \
+            + at % self.block_size

@@ -26,6 +26,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from common.forward_batch import device_forward_batch, padded_chain_batch
@@ -72,12 +73,12 @@ class DFlashProposer(FeatureDrafter):
 
     # ------------------------------------------------------------ KVDrafter hooks
     def _prefill(self, rows: list[tuple[FeatureSeq, int, int]]) -> None:
-        positions = [p for _, lo, hi in rows for p in range(lo, hi)]
-        slots = [self.cache.slot(st.pages, p) for st, lo, hi in rows for p in range(lo, hi)]
+        positions = np.concatenate([np.arange(lo, hi) for _, lo, hi in rows])
+        slots = np.concatenate([self.cache.slots(st.pages, lo, hi) for st, lo, hi in rows])
         dev = self.head.device
         self.head.write_context(torch.cat([st.feats.rows[lo:hi] for st, lo, hi in rows]),
-                                torch.tensor(positions, device=dev),
-                                torch.tensor(slots, device=dev), self.cache, self.ops)
+                                torch.from_numpy(positions).to(dev),
+                                torch.from_numpy(slots).to(dev), self.cache, self.ops)
 
     def _step_fn(self, tokens: torch.Tensor, count: torch.Tensor, ctx0: torch.Tensor,
                  table: torch.Tensor, feats: torch.Tensor,
