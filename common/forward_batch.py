@@ -89,16 +89,20 @@ def device_forward_batch(tokens: torch.Tensor, chunk_parents: torch.Tensor,
     b, t = tokens.shape
     dev = tokens.device
     ctx = context_lens.long().unsqueeze(1)                                  # [B, 1]
-    pos = ctx + torch.arange(t, device=dev).unsqueeze(0)                    # [B, T]
-    pages = torch.gather(block_tables.long(), 1, pos // block_size)
+    pos = ctx + torch.arange(t, device=dev)                                 # [B, T]
     return ForwardBatch(
         input_ids=tokens.long().reshape(-1),
-        positions=(ctx + depths.long().expand(b, t)).reshape(-1),
-        slots=(pages * block_size + pos % block_size).reshape(-1),
+        positions=(ctx + depths.long()).reshape(-1),
+        slots=device_slots(block_tables, pos, block_size).reshape(-1),
         block_tables=block_tables, context_lens=context_lens,
-        cu_q=torch.arange(b + 1, device=dev, dtype=torch.int32) * t,
+        cu_q=torch.arange(0, b * t + 1, t, device=dev, dtype=torch.int32),
         chunk_parents=chunk_parents.to(torch.int32).reshape(-1),
-        last=torch.arange(b, device=dev) * t + t - 1)
+        last=torch.arange(t - 1, b * t, t, device=dev))
+
+
+def device_slots(block_tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The flat KV slots [B, T] int64 of positions pos [B, T] int64 (on the device)."""
+    return block_tables.gather(1, pos // block_size) * block_size + pos % block_size
 
 
 def padded_chain_batch(tokens: torch.Tensor, count: torch.Tensor, context_lens: torch.Tensor,
@@ -107,9 +111,6 @@ def padded_chain_batch(tokens: torch.Tensor, count: torch.Tensor, context_lens: 
     (>= 1) tokens are a chain written from context_lens[b] on, the rest padding
     (each sees only itself and nobody sees it; their slots, past the chain, must
     be reserved and are the caller's to overwrite or ignore)."""
-    t = tokens.shape[1]
-    i = torch.arange(t, device=tokens.device)
-    live = i.unsqueeze(0) < count.long().unsqueeze(1)                           # [B, T]
-    parents = torch.where(live, (i - 1).unsqueeze(0), torch.full_like(live, -2, dtype=torch.long))
-    return device_forward_batch(tokens, parents.to(torch.int32), i, context_lens, block_tables,
-                                block_size)
+    i = torch.arange(tokens.shape[1], device=tokens.device, dtype=torch.int32)
+    parents = torch.where(i < count.unsqueeze(1), i - 1, -2)                     # [B, T]
+    return device_forward_batch(tokens, parents, i, context_lens, block_tables, block_size)

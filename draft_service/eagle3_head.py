@@ -100,6 +100,8 @@ class Eagle3Head(nn.Module):
         self.norm = nn.Parameter(torch.ones(h))
         self.lm_head = nn.Linear(h, s.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(s.draft_vocab_size, dtype=torch.long))
+        # draft id -> target id (arange + d2t), what to_target indexes
+        self.register_buffer("target_ids", torch.arange(s.draft_vocab_size), persistent=False)
         self.register_buffer("inv_freq", rope_inv_freq(s, torch.device("cpu")),
                              persistent=False)
 
@@ -157,6 +159,7 @@ class Eagle3Head(nn.Module):
         own["d2t"] = d2t.long().to(device)
         self.load_state_dict(own, strict=True, assign=True)
         self.inv_freq = rope_inv_freq(s, device)
+        self.target_ids = ids.to(device)
 
     @property
     def device(self) -> torch.device:
@@ -203,7 +206,7 @@ class Eagle3Head(nn.Module):
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft ids -> target ids (same shape and dtype)."""
-        return draft_ids + self.d2t[draft_ids.long()].to(draft_ids.dtype)
+        return self.target_ids[draft_ids.long()].to(draft_ids.dtype)
 
 
 def _tensor_names(path: Path) -> set[str]:

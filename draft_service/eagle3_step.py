@@ -39,7 +39,7 @@ def expand_eagle3(head: Eagle3Head, cache: PagedKVCache, ops: ModuleType, env: T
 
         first = head.to_target(head.draft_logits(root, ops).argmax(-1))
         return greedy_chain(first, env.depth, ctx, table, cache.block_size, forward)[:2]
-    ids = head.to_target(torch.arange(head.spec.draft_vocab_size, device=root.device))
+    ids = head.target_ids
     lp, pick, q = scores(head.logits(root, ops), sampling, ctx + 1, ids)
     exp = Expansion(lp, env.topk, env.depth, pick, q,
                     static=None if sampling is None else sampling[0] > 0)

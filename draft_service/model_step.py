@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch
 
-from common.forward_batch import ForwardBatch, device_forward_batch, padded_chain_batch
+from common.forward_batch import (ForwardBatch, device_forward_batch, device_slots,
+                                  padded_chain_batch)
 from common.kv_cache import PagedKVCache
 from common.qwen3 import Qwen3Model
 from common.tree import TreeEnvelope
@@ -61,12 +62,17 @@ def greedy_chain(first: torch.Tensor, depth: int, ctx: torch.Tensor, table: torc
     ``expand`` returns for a chain."""
     b, dev = first.shape[0], first.device
     tokens = [first]
-    alone = torch.full((b, 1), -1, dtype=torch.int32, device=dev)     # sees the context
-    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    if depth > 1:    # every level's batch but its tokens, at once: [level, B] rows are views
+        pos = ctx.long().unsqueeze(1) + torch.arange(depth - 1, device=dev)      # [B, D - 1]
+        slots = device_slots(table, pos, block_size).T.contiguous()
+        pos = pos.T.contiguous()
+        lens = pos.to(torch.int32)
+        cu_q = torch.arange(b + 1, device=dev, dtype=torch.int32)
+        last = torch.arange(b, device=dev)
+        alone = torch.full((b,), -1, dtype=torch.int32, device=dev)     # sees the context
     for level in range(1, depth):
-        fb = device_forward_batch(tokens[-1].unsqueeze(1), alone, zero, ctx + (level - 1),
-                                  table, block_size)
-        tokens.append(forward(fb))
+        tokens.append(forward(ForwardBatch(tokens[-1].long(), pos[level - 1], slots[level - 1],
+                                           table, lens[level - 1], cu_q, alone, last)))
     at = torch.arange(depth, device=dev)
     return (torch.stack(tokens, 1).to(torch.int32), (at - 1).to(torch.int32).expand(b, depth),
             torch.where(at < depth - 1, at, -1).expand(b, depth))
