@@ -27,6 +27,7 @@ from types import ModuleType
 
 import torch
 
+from common.forward_batch import device_slots
 from common.kv_cache import PagedKVCache
 
 
@@ -42,15 +43,9 @@ def commit_kv(cache: PagedKVCache, ops: ModuleType, accepted: torch.Tensor,
     increases strictly with src >= dst and one compaction kernel serves the batch.
     Advancing kv_len is the caller's.
     """
-    b, d = accepted.shape
-    bs = cache.block_size
-    i = torch.arange(d, device=accepted.device).unsqueeze(0)
-    base = kv_lens.long().unsqueeze(1) + 1                             # [B, 1]
-    dst = base + i                                                     # [B, D]
-    src = torch.where(i < num_accepted.long().unsqueeze(1), base + accepted.long(), dst)
-    table = block_tables.long()
-
-    def flat(pos: torch.Tensor) -> torch.Tensor:
-        return (torch.gather(table, 1, pos // bs) * bs + pos % bs).view(-1)
-
-    ops.compact_kv(cache.k, cache.v, flat(src), flat(dst))
+    d = accepted.shape[1]
+    i = torch.arange(d, device=accepted.device)
+    dst = kv_lens.long().unsqueeze(1) + (i + 1)                        # [B, D]
+    src = dst + torch.where(i < num_accepted.unsqueeze(1), accepted - i, 0)
+    ops.compact_kv(cache.k, cache.v, device_slots(block_tables, src, cache.block_size).view(-1),
+                   device_slots(block_tables, dst, cache.block_size).view(-1))

@@ -198,14 +198,15 @@ def node_depths(parents: torch.Tensor) -> torch.Tensor:
 
     parents: [B, N] int -> [B, N] int32, on any device with no host sync. List
     ranking by pointer jumping: each round adds the depth gathered so far at the
-    current ancestor and jumps to that ancestor's ancestor, so ceil(log2 N) + 1
-    rounds suffice (a handful of kernels inside a CUDA graph).
+    current ancestor and jumps to that ancestor's ancestor, so after r rounds a node
+    has counted min(depth, 2**r) nodes of its path and ceil(log2 N) rounds suffice
+    (seven small kernels a round inside a CUDA graph).
     """
     n = parents.shape[-1]
     p = parents.long()
     depth = (p != PAD).to(torch.int32)
     anc = torch.where(p >= 0, p, -1)
-    for _ in range(max(1, n).bit_length() + 1):
+    for _ in range(max(0, n - 1).bit_length()):
         live = anc >= 0
         safe = anc.clamp(min=0)
         depth = torch.where(live, depth + torch.gather(depth, -1, safe), depth)
@@ -259,10 +260,9 @@ def verify_chunk_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     (parent p + 1, or 0 under the root; padding stays -2). depths are position
     offsets from the root. See kernels/reference.py for the chunk layout.
     """
-    b = parents.shape[0]
-    p = parents.long()
-    nodes = torch.where(p >= 0, p + 1, torch.where(p == ROOT, 0, PAD))
-    root = torch.full((b, 1), ROOT, dtype=torch.long, device=parents.device)
-    zero = torch.zeros((b, 1), dtype=torch.int32, device=parents.device)
-    return (torch.cat([root, nodes], 1).to(torch.int32),
-            torch.cat([zero, node_depths(parents)], 1))
+    b, dev = parents.shape[0], parents.device
+    p = parents.to(torch.int32)
+    nodes = torch.where(p == PAD, PAD, p + 1)            # a root child's parent: 0
+    root = torch.full((b, 1), ROOT, dtype=torch.int32, device=dev)
+    zero = torch.zeros((b, 1), dtype=torch.int32, device=dev)
+    return torch.cat([root, nodes], 1), torch.cat([zero, node_depths(parents)], 1)

@@ -45,6 +45,23 @@ def test_depths_and_chunk_layout():
     assert m[5].tolist() == [False] * 5 + [True]                     # padding sees itself
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 64])
+def test_depths_of_the_longest_chain_and_of_random_trees(n):
+    # a chain of n nodes is the deepest tree: the rounds must reach its end
+    chain = (torch.arange(n, dtype=torch.int32) - 1).unsqueeze(0)
+    assert node_depths(chain).tolist() == [list(range(1, n + 1))]
+    gen = torch.Generator().manual_seed(n)
+    for _ in range(20):
+        parents, want = [], []               # a node's parent comes first, never padding
+        for i in range(n):
+            p = int(torch.randint(-2, i, (1,), generator=gen))
+            p = PAD if p >= 0 and parents[p] == PAD else p
+            parents.append(p)
+            want.append(0 if p == PAD else 1 if p < 0 else want[p] + 1)
+        got = node_depths(torch.tensor([parents], dtype=torch.int32))
+        assert got.tolist() == [want]
+
+
 def test_validate_tree_reports_what_is_wrong():
     ok = torch.tensor([[-1, 0]], dtype=torch.int32)
     tok = torch.tensor([[3, 4]], dtype=torch.int32)

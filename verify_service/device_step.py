@@ -21,7 +21,7 @@ from common.forward_batch import device_forward_batch
 from common.kv_cache import PagedKVCache
 from common.qwen3 import Qwen3Model
 from common.sampling import draw_filtered, filter_sparse
-from common.tree import verify_chunk_layout
+from common.tree import ROOT, verify_chunk_layout
 
 
 def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: int,
@@ -45,12 +45,19 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
     row with q (any nonzero) is accepted by rejection sampling instead."""
     b, n = tokens.shape
     t = n + 1
-    chunk_parents, depths = verify_chunk_layout(parents)                 # [B, T]
-    fb = device_forward_batch(torch.cat([roots.long().unsqueeze(1), tokens.long()], 1),
-                              chunk_parents, depths, context_lens, block_tables,
-                              cache.block_size)
-    if n:        # each layer's attention reads these instead of walking parents up
+    if n:
+        chunk_parents, depths = verify_chunk_layout(parents)             # [B, T]
+        fb = device_forward_batch(torch.cat([roots.long().unsqueeze(1), tokens.long()], 1),
+                                  chunk_parents, depths, context_lens, block_tables,
+                                  cache.block_size)
+        # each layer's attention reads these instead of walking parents up
         fb.ancestors = ops.tree_ancestors(chunk_parents)
+    else:        # plain decode: the roots alone, no tree to lay out or walk
+        dev = roots.device
+        fb = device_forward_batch(roots.unsqueeze(1),
+                                  torch.full((b, 1), ROOT, dtype=torch.int32, device=dev),
+                                  torch.zeros(1, dtype=torch.int32, device=dev), context_lens,
+                                  block_tables, cache.block_size)
     hidden, captured = model(fb, cache, ops, capture)
     if sampling is None:
         target_ids = model.greedy(hidden, ops).view(b, t)                # [B, T]
@@ -60,7 +67,11 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
         vals, ids = filter_sparse(logits.float(), *per_row[:4], width=width)
         target_ids = draw_filtered(logits, vals, ids, per_row[0], per_row[4],
                                    fb.positions + 1).view(b, t)
-    accepted, num, bonus = ops.accept_greedy(tokens, parents, target_ids, depth)
+    if n:
+        accepted, num, bonus = ops.accept_greedy(tokens, parents, target_ids, depth)
+    else:
+        accepted = torch.full((b, depth), -1, dtype=torch.int32, device=tokens.device)
+        num, bonus = torch.zeros_like(context_lens), target_ids[:, 0]
     if rejection is not None and depth:
         q_ids, q_probs, siblings = rejection
         p_ids = ids.view(b, t, -1) if ids.shape[-1] < logits.shape[-1] else None
