@@ -128,12 +128,14 @@ def block_tree(logits: torch.Tensor, env: TreeEnvelope, n: torch.Tensor,
     def per_node(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x.unsqueeze(1).expand(-1, k, *x.shape[1:])
 
-    lp, pick, q = scores(logits[:, 0], sampling, n + 1)
-    exp = Expansion(lp, k, env.depth, pick, q, static=sampling[0] > 0)
+    # every position's scores in one batch: the block drafted them all at once
+    at = n.long().unsqueeze(1) + 1 + torch.arange(env.depth, device=logits.device)
+    lp, pick, q = scores(logits, sampling, at)                               # [B, D, ...]
+    exp = Expansion(lp[:, 0], k, env.depth, pick[:, 0], tuple(x[:, 0] for x in q),
+                    static=sampling[0] > 0)
     for level in range(1, env.depth):
-        lp, pick, q = scores(logits[:, level], sampling, n + 1 + level)
-        exp.grow(level, per_node(lp), per_node(pick),
-                 None if q is None else tuple(per_node(x) for x in q))
+        exp.grow(level, per_node(lp[:, level]), per_node(pick[:, level]),
+                 tuple(per_node(x[:, level]) for x in q))
     t, p, _, *q = exp.rerank(env.num_nodes)
     return (t, p, *q)
 

@@ -35,15 +35,17 @@ def level_depths(env: TreeEnvelope, device: torch.device) -> list[torch.Tensor]:
 def scores(logits: torch.Tensor, sampling: list[torch.Tensor] | None, position: torch.Tensor,
            ids: torch.Tensor | None = None) -> tuple:
     """(log-probs, picks, q) of logits [B, K, V] (or [B, V]) whose tokens would sit at
-    position [B] of their sequences (common.sampling.draft_scores): picks and q only
-    when the batch samples (sampling: each row's [temperature, top_k, top_p, min_p,
-    seed] (common.sampling.as_tensors) and rejection flag, then the batch's filter
-    width, an int: common.sampling.filter_width), q as (ids, probs)."""
+    position [B] (or [B, K]: each its own) of their sequences
+    (common.sampling.draft_scores): picks and q only when the batch samples (sampling:
+    each row's [temperature, top_k, top_p, min_p, seed] (common.sampling.as_tensors)
+    and rejection flag, then the batch's filter width, an int:
+    common.sampling.filter_width), q as (ids, probs)."""
     if sampling is None:
         return logits.float().log_softmax(-1), None, None
     k = logits.shape[1] if logits.dim() == 3 else 1
-    rows = [x.repeat_interleave(k) for x in (*sampling[:6], position)]
-    params, rejection, pos = rows[:5], rows[5], rows[6]
+    rows = [x.repeat_interleave(k) for x in sampling[:6]]
+    params, rejection = rows[:5], rows[5]
+    pos = position.reshape(-1) if position.dim() == 2 else position.repeat_interleave(k)
     lp, pick, qi, qp = draft_scores(logits.reshape(-1, logits.shape[-1]), *params, pos,
                                     rejection, ids=ids, width=sampling[6])
     lead = logits.shape[:-1]

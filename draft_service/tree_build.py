@@ -62,6 +62,7 @@ class Expansion:
         self.parents = torch.full((b, m), -1, dtype=torch.long, device=dev)
         self.chunk_pos = torch.full((b, m), -1, dtype=torch.long, device=dev)
         self.chunk_ids = torch.zeros(b, (depth - 1) * k, dtype=torch.long, device=dev)
+        self._chunk_at = torch.arange((depth - 1) * k, device=dev)
         self.q = None
         if root_q is not None:
             self.q = [x.new_zeros((b, m, x.shape[-1])) for x in root_q]     # [B, M, Q]
@@ -76,9 +77,9 @@ class Expansion:
 
     def _enter_chunk(self, level: int, ids: torch.Tensor) -> None:
         b, k = ids.shape
-        pos = (level - 1) * k + torch.arange(k, device=ids.device)
-        self.chunk_ids[:, pos] = ids
-        self.chunk_pos.scatter_(1, ids, pos.expand(b, k))
+        at = slice((level - 1) * k, level * k)
+        self.chunk_ids[:, at] = ids
+        self.chunk_pos.scatter_(1, ids, self._chunk_at[at].expand(b, k))
 
     def chunk(self, level: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """The tree chunk of frontier levels 1 .. level.
@@ -102,7 +103,8 @@ class Expansion:
         b, k = self.frontier.shape
         lp, tok = self._top(logp, pick, k)                              # [B, K, K]
         score = self.scores.gather(1, self.frontier).unsqueeze(-1) + _clean(lp)
-        ids = k + (level - 1) * k * k + torch.arange(k * k, device=lp.device)
+        start = k + (level - 1) * k * k
+        ids = slice(start, start + k * k)                               # this level's
         self.tokens[:, ids] = tok.reshape(b, k * k)
         self.scores[:, ids] = score.reshape(b, k * k)
         self.parents[:, ids] = self.frontier.unsqueeze(-1).expand(b, k, k).reshape(b, k * k)
@@ -110,8 +112,7 @@ class Expansion:
             for mine, x in zip(self.q, q):          # siblings share their parent's q
                 mine[:, ids] = x.unsqueeze(2).expand(-1, -1, k, -1).reshape(b, k * k, -1)
         if level + 1 < self.depth:
-            best = score.reshape(b, k * k).topk(k, dim=-1).indices      # [B, K]
-            self.frontier = ids[best]
+            self.frontier = score.reshape(b, k * k).topk(k, dim=-1).indices + start
             self._enter_chunk(level + 1, self.frontier)
 
     def rerank(self, num_nodes: int) -> tuple[torch.Tensor, ...]:
