@@ -43,9 +43,12 @@ def scores(logits: torch.Tensor, sampling: list[torch.Tensor] | None, position: 
     if sampling is None:
         return logits.float().log_softmax(-1), None, None
     k = logits.shape[1] if logits.dim() == 3 else 1
-    rows = [x.repeat_interleave(k) for x in sampling[:6]]
+    if k == 1 or position.dim() == 2:       # a position a row
+        pos = position.reshape(-1)
+    else:
+        pos = position.repeat_interleave(k)
+    rows = sampling[:6] if k == 1 else [x.repeat_interleave(k) for x in sampling[:6]]
     params, rejection = rows[:5], rows[5]
-    pos = position.reshape(-1) if position.dim() == 2 else position.repeat_interleave(k)
     lp, pick, qi, qp = draft_scores(logits.reshape(-1, logits.shape[-1]), *params, pos,
                                     rejection, ids=ids, width=sampling[6])
     lead = logits.shape[:-1]

@@ -22,9 +22,9 @@ def accept_uniforms(seed: torch.Tensor, position: torch.Tensor, siblings: int) -
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32) of int64 tensors holding values < 2^32; the
-    products wrap in int64 and only their low 32 bits are kept."""
-    x = x & _M32
+    """A 32-bit integer hash (lowbias32) of int64 tensors holding values in [0, 2^32)
+    (every caller's: seeds, positions and ids are non-negative); the products wrap in
+    int64 and only their low 32 bits are kept."""
     x = (x ^ (x >> 16)) * 0x7FEB352D & _M32
     x = (x ^ (x >> 15)) * 0x846CA68B & _M32
     return x ^ (x >> 16)
