@@ -2,10 +2,9 @@
 
 The tokens are kept twice: as a list (for slicing continuations) and as 4-byte
 words in one bytearray, where an n-gram is a 4n-byte pattern that ``rfind``
-looks up in C. Appending costs a copy of the new tokens, whatever n_min and
-n_max are: a 1024-token prompt is taken in at memcpy speed, where a per-n-gram
-dict took milliseconds (bench/NOTES.md, twenty-second session). A lookup scans
-the sequence once per n, backwards, and stops after the matches it needs.
+looks up in C. Appending costs a copy of the new tokens whatever n_min and n_max
+are, so a long prompt is taken in at once; a lookup scans the sequence once per
+n, backwards, and stops after the matches it needs.
 
 Example, n_min = 1, n_max = 2, tokens ``[5, 6, 7, 5, 6]``: the suffix ``(5, 6)``
 occurred before, ending at 2, so ``matches()`` yields continuation start 2 for
