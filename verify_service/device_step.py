@@ -62,7 +62,7 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
     if sampling is None:
         target_ids = model.greedy(hidden, ops).view(b, t)                # [B, T]
     else:
-        per_row = [x.repeat_interleave(t) for x in sampling]             # [B * T] each
+        per_row = sampling if t == 1 else [x.repeat_interleave(t) for x in sampling]
         logits = ops.linear(hidden, model.lm_head.weight)
         vals, ids = filter_sparse(logits.float(), *per_row[:4], width=width)
         target_ids = draw_filtered(logits, vals, ids, per_row[0], per_row[4],
