@@ -27,6 +27,7 @@ import secrets
 from dataclasses import dataclass, fields
 
 import torch
+import torch.nn.functional as F
 
 from common.errors import InvalidRequest
 from kernels.noise import gumbel_noise
@@ -161,19 +162,19 @@ def draft_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     W candidates, their noise only; the result is the same)."""
     lp = logits.float().log_softmax(-1)
     vals, cols = filter_sparse(logits.float(), temperature, top_k, top_p, min_p, width)
-    kept = vals.log_softmax(-1)                                            # [R, W]
-    top, at = kept.topk(min(DRAFT_Q, kept.shape[-1]), dim=-1)
-    top = top - top.logsumexp(-1, keepdim=True)
+    kept = vals.log_softmax(-1)                              # [R, W], sorted descending
+    w, q = kept.shape[-1], min(DRAFT_Q, kept.shape[-1])
+    top = kept[:, :q] - kept[:, :q].logsumexp(-1, keepdim=True)          # q: the first Q
     sampled = (temperature > 0).unsqueeze(-1)
     rej = rejection.unsqueeze(-1) & sampled
-    base = torch.where(rej, torch.full_like(kept, float("-inf")).scatter(-1, at, top), kept)
+    base = torch.where(rej, F.pad(top, (0, w - q), value=float("-inf")), kept)
     tid = cols if ids is None else ids[cols]                    # target ids of the W
     pick = base + gumbel_noise(seed, position, tid)
 
     def dense(x: torch.Tensor) -> torch.Tensor:
         return torch.where(sampled, torch.full_like(lp, float("-inf")).scatter(-1, cols, x), lp)
 
-    q_ids = tid.gather(-1, at).to(torch.int32)
+    q_ids = tid[:, :q].to(torch.int32)
     return dense(base), dense(pick), torch.where(rej, q_ids, 0), torch.where(rej, top.exp(), 0.0)
 
 

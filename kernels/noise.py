@@ -1,12 +1,15 @@
 """Counter-based noise: the hash (lowbias32) every draw keys by (seed, position, token
 id), so that both services, any batch and any kernel draw the same numbers for the
-same request. This is its reference; kernels/triton_rejection.py computes the same
-integers on the device.
+same request. This is its reference; on a CUDA device with Triton,
+kernels/triton_noise.py computes the same bits in one kernel (the rejection walk's
+kernel hashes with its functions).
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels.dispatch import triton_available
 
 # kernels.reference.rejection_walk's: the uniforms of its accept tests, its bonus draws
 ACCEPT_SALT = 0x2545F491
@@ -37,6 +40,9 @@ def uniform_noise(seed: torch.Tensor, position: torch.Tensor, ids: torch.Tensor 
     position, id).
     Counter-based: the same key gives the same number on any device, in any batch,
     for an id whatever else is drawn beside it."""
+    if triton_available(seed.device):
+        from kernels.triton_noise import uniform_noise as on_device
+        return on_device(seed, position, ids)
     key = _mix32(_mix32(seed.long()) ^ position.long())
     if isinstance(ids, int):
         ids = torch.arange(ids, device=seed.device, dtype=torch.int64)

@@ -18,21 +18,7 @@ import triton.language as tl
 from kernels.noise import ACCEPT_SALT, BONUS_SALT
 from kernels.triton_common import (INDEX_DTYPES, check_devices, check_dtype, check_shape,
                                    next_pow2, vcumsum, vmax, vmin, vsum)
-
-
-@triton.jit
-def _mix32(x):
-    """kernels.noise._mix32 on int64 values below 2^32."""
-    x = x & 0xFFFFFFFF
-    x = ((x ^ (x >> 16)) * 0x7FEB352D) & 0xFFFFFFFF
-    x = ((x ^ (x >> 15)) * 0x846CA68B) & 0xFFFFFFFF
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def _uniform(key, ids):
-    """kernels.noise.uniform_noise of ids under a row's key (_mix32(_mix32(seed) ^ pos))."""
-    return ((_mix32(key ^ ids) >> 8).to(tl.float32) + 0.5) / 16777216.0
+from kernels.triton_noise import mix32, uniform
 
 
 @triton.jit
@@ -81,7 +67,7 @@ def _rejection_walk_kernel(tok_ptr, par_ptr, p_ptr, pid_ptr, qid_ptr, qp_ptr, se
                 qp = qp / tl.maximum(vsum(qp, 0), 1e-30)
                 qx = vsum(tl.where(qi == x, qp, 0.0), 0)
                 px = vsum(tl.where(ids == x, r, 0.0), 0) / tl.maximum(mass, 1e-30)
-                uj = _uniform(_mix32(_mix32(seed ^ ACCEPT) ^ pos), j)
+                uj = uniform(mix32(mix32(seed ^ ACCEPT) ^ pos), j)
                 ok = has & (qx > 0) & (uj * qx < px)
                 found = found | ok
                 nxt = tl.where(ok, idx, nxt)
@@ -94,7 +80,7 @@ def _rejection_walk_kernel(tok_ptr, par_ptr, p_ptr, pid_ptr, qid_ptr, qp_ptr, se
                 rejected = tl.where((cs == j) & off, x, rejected)
             tl.store(acc_ptr + b * MAX_DEPTH + d, tl.where(found, nxt, -1))
         stop = alive & ~found
-        noise = -tl.log(-tl.log(_uniform(_mix32(_mix32(seed ^ BONUS) ^ pos), ids)))
+        noise = -tl.log(-tl.log(uniform(mix32(mix32(seed ^ BONUS) ^ pos), ids)))
         left = tl.where(live_w, tl.log(tl.maximum(r, 0.0)) + noise, float("-inf"))
         best = vmax(left, 0)
         first = vmin(tl.where(left == best, cw, BLOCK_W), 0)
