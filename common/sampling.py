@@ -146,9 +146,11 @@ def draft_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
                  top_p: torch.Tensor, min_p: torch.Tensor, seed: torch.Tensor,
                  position: torch.Tensor, rejection: torch.Tensor,
                  ids: torch.Tensor | None = None, width: int = -1
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """How a drafter scores and picks the children of rows [R] with logits [R, V]:
-    (log-probs, picks) [R, V] and the sparse q (ids, probs) [R, DRAFT_Q].
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor]:
+    """How a drafter scores and picks the children of rows [R] with logits [R, V],
+    over each row's W likeliest columns (its only candidates): (log-probs, picks,
+    columns) [R, W] and the sparse q (ids, probs) [R, DRAFT_Q].
 
     A greedy row's log-probs and picks are its log-softmax. A sampling row's log-probs
     are those of its filtered distribution and its picks those plus the Gumbel noise
@@ -158,9 +160,9 @@ def draft_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     rejection row (rejection [R] bool) draws the same way from q, its filtered
     distribution cut to the DRAFT_Q likeliest tokens, and gets q back (other rows'
     q is zeros). ids [V]: the target's ids of the logits' columns (a drafter with a
-    vocabulary of its own); q's ids are target ids. width: as for filter_sparse (the
-    W candidates, their noise only; the result is the same)."""
-    lp = logits.float().log_softmax(-1)
+    vocabulary of its own); q's ids are target ids. width: as for filter_sparse (W;
+    the result is the draw over the whole vocabulary, since a token outside the top
+    W is filtered out)."""
     vals, cols = filter_sparse(logits.float(), temperature, top_k, top_p, min_p, width)
     kept = vals.log_softmax(-1)                              # [R, W], sorted descending
     w, q = kept.shape[-1], min(DRAFT_Q, kept.shape[-1])
@@ -170,12 +172,10 @@ def draft_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     base = torch.where(rej, F.pad(top, (0, w - q), value=float("-inf")), kept)
     tid = cols if ids is None else ids[cols]                    # target ids of the W
     pick = base + gumbel_noise(seed, position, tid)
-
-    def dense(x: torch.Tensor) -> torch.Tensor:
-        return torch.where(sampled, torch.full_like(lp, float("-inf")).scatter(-1, cols, x), lp)
-
+    lp = logits.float().log_softmax(-1).gather(-1, cols)       # a greedy row's, by column
     q_ids = tid[:, :q].to(torch.int32)
-    return dense(base), dense(pick), torch.where(rej, q_ids, 0), torch.where(rej, top.exp(), 0.0)
+    return (torch.where(sampled, base, lp), torch.where(sampled, pick, lp), cols,
+            torch.where(rej, q_ids, 0), torch.where(rej, top.exp(), 0.0))
 
 
 def as_tensors(params: list[SamplingParams], device: torch.device) -> list[torch.Tensor]:

@@ -130,12 +130,12 @@ def block_tree(logits: torch.Tensor, env: TreeEnvelope, n: torch.Tensor,
 
     # every position's scores in one batch: the block drafted them all at once
     at = n.long().unsqueeze(1) + 1 + torch.arange(env.depth, device=logits.device)
-    lp, pick, q = scores(logits, sampling, at)                               # [B, D, ...]
+    lp, pick, q, cols = scores(logits, sampling, at)                         # [B, D, ...]
     exp = Expansion(lp[:, 0], k, env.depth, pick[:, 0], tuple(x[:, 0] for x in q),
-                    static=sampling[0] > 0)
+                    static=sampling[0] > 0, root_cols=cols[:, 0])
     for level in range(1, env.depth):
         exp.grow(level, per_node(lp[:, level]), per_node(pick[:, level]),
-                 tuple(per_node(x[:, level]) for x in q))
+                 tuple(per_node(x[:, level]) for x in q), per_node(cols[:, level]))
     t, p, _, *q = exp.rerank(env.num_nodes)
     return (t, p, *q)
 

@@ -40,9 +40,9 @@ def expand_eagle3(head: Eagle3Head, cache: PagedKVCache, ops: ModuleType, env: T
         first = head.to_target(head.draft_logits(root, ops).argmax(-1))
         return greedy_chain(first, env.depth, ctx, table, cache.block_size, forward)[:2]
     ids = head.target_ids
-    lp, pick, q = scores(head.logits(root, ops), sampling, ctx + 1, ids)
+    lp, pick, q, cols = scores(head.logits(root, ops), sampling, ctx + 1, ids)
     exp = Expansion(lp, env.topk, env.depth, pick, q,
-                    static=None if sampling is None else sampling[0] > 0)
+                    static=None if sampling is None else sampling[0] > 0, root_cols=cols)
     b, k, hid = root.shape[0], env.topk, root.shape[-1]
     prev = root.new_zeros(b, 0, hid)               # [B, (level-1)*K, H] last chunk's outputs
     for level in range(1, env.depth):

@@ -34,14 +34,15 @@ def level_depths(env: TreeEnvelope, device: torch.device) -> list[torch.Tensor]:
 
 def scores(logits: torch.Tensor, sampling: list[torch.Tensor] | None, position: torch.Tensor,
            ids: torch.Tensor | None = None) -> tuple:
-    """(log-probs, picks, q) of logits [B, K, V] (or [B, V]) whose tokens would sit at
-    position [B] (or [B, K]: each its own) of their sequences
-    (common.sampling.draft_scores): picks and q only when the batch samples (sampling:
-    each row's [temperature, top_k, top_p, min_p, seed] (common.sampling.as_tensors)
-    and rejection flag, then the batch's filter width, an int:
-    common.sampling.filter_width), q as (ids, probs)."""
+    """(log-probs, picks, q, columns) of logits [B, K, V] (or [B, V]) whose tokens
+    would sit at position [B] (or [B, K]: each its own) of their sequences
+    (common.sampling.draft_scores): when the batch samples, over each row's W
+    candidate columns [B, K, W], with picks and q (ids, probs); else the log-probs
+    [B, K, V] alone (sampling: each row's [temperature, top_k, top_p, min_p, seed]
+    (common.sampling.as_tensors) and rejection flag, then the batch's filter width,
+    an int: common.sampling.filter_width)."""
     if sampling is None:
-        return logits.float().log_softmax(-1), None, None
+        return logits.float().log_softmax(-1), None, None, None
     k = logits.shape[1] if logits.dim() == 3 else 1
     if k == 1 or position.dim() == 2:       # a position a row
         pos = position.reshape(-1)
@@ -49,11 +50,11 @@ def scores(logits: torch.Tensor, sampling: list[torch.Tensor] | None, position: 
         pos = position.repeat_interleave(k)
     rows = sampling[:6] if k == 1 else [x.repeat_interleave(k) for x in sampling[:6]]
     params, rejection = rows[:5], rows[5]
-    lp, pick, qi, qp = draft_scores(logits.reshape(-1, logits.shape[-1]), *params, pos,
-                                    rejection, ids=ids, width=sampling[6])
+    lp, pick, cols, qi, qp = draft_scores(logits.reshape(-1, logits.shape[-1]), *params,
+                                          pos, rejection, ids=ids, width=sampling[6])
     lead = logits.shape[:-1]
-    return lp.view(logits.shape), pick.view(logits.shape), (qi.view(*lead, -1),
-                                                            qp.view(*lead, -1))
+    return tuple(x.view(*lead, -1) for x in (lp, pick)) + (
+        (qi.view(*lead, -1), qp.view(*lead, -1)), cols.view(*lead, -1))
 
 
 def greedy_chain(first: torch.Tensor, depth: int, ctx: torch.Tensor, table: torch.Tensor,
@@ -95,9 +96,9 @@ def expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType, env: TreeEnvel
     if sampling is None and env.topk == 1:
         return greedy_chain(root_logits.argmax(-1), env.depth, ctx, table, cache.block_size,
                             lambda fb: net.greedy(net(fb, cache, ops)[0], ops))
-    lp, pick, q = scores(root_logits, sampling, ctx)
+    lp, pick, q, cols = scores(root_logits, sampling, ctx)
     exp = Expansion(lp, env.topk, env.depth, pick, q,
-                    static=None if sampling is None else sampling[0] > 0)
+                    static=None if sampling is None else sampling[0] > 0, root_cols=cols)
     for level in range(1, env.depth):
         tok, par, _ = exp.chunk(level)                                    # [B, level*K]
         fb = device_forward_batch(tok, par, depths[level - 1], ctx, table, cache.block_size)

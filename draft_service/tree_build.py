@@ -50,8 +50,11 @@ class Expansion:
     def __init__(self, root_logp: torch.Tensor, topk: int, depth: int,
                  root_pick: torch.Tensor | None = None,
                  root_q: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 static: torch.Tensor | None = None) -> None:
-        """root_q: the root's q (ids, probs) [B, Q]; static [B] bool: sampling rows."""
+                 static: torch.Tensor | None = None,
+                 root_cols: torch.Tensor | None = None) -> None:
+        """root_q: the root's q (ids, probs) [B, Q]; static [B] bool: sampling rows;
+        root_cols [B, W]: the token of each column of root_logp and root_pick (their
+        columns are the vocabulary's when not given)."""
         b, dev = root_logp.shape[0], root_logp.device
         self.static = static
         k = self.topk = topk
@@ -68,7 +71,7 @@ class Expansion:
             self.q = [x.new_zeros((b, m, x.shape[-1])) for x in root_q]     # [B, M, Q]
             for mine, x in zip(self.q, root_q):
                 mine[:, :k] = x.unsqueeze(1)
-        lp, tok = self._top(root_logp, root_pick, k)                    # [B, K]
+        lp, tok = self._top(root_logp, root_pick, k, root_cols)         # [B, K]
         self.tokens[:, :k] = tok
         self.scores[:, :k] = _clean(lp)
         self.frontier = torch.arange(k, device=dev).expand(b, k)        # [B, K]
@@ -95,13 +98,15 @@ class Expansion:
         return tok, cpar, [lv for lv in range(level) for _ in range(self.topk)]
 
     def grow(self, level: int, logp: torch.Tensor, pick: torch.Tensor | None = None,
-             q: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+             q: tuple[torch.Tensor, torch.Tensor] | None = None,
+             cols: torch.Tensor | None = None) -> None:
         """Add level + 1 from logp [B, K, V], the next-token log-probs of the
         level-`level` frontier (chunk positions (level-1)*K .. level*K - 1); pick
         (same shape) chooses the children when given (common.sampling.draft_scores),
-        else the log-probs do; q (ids, probs) [B, K, Q] each frontier node's q."""
+        else the log-probs do; q (ids, probs) [B, K, Q] each frontier node's q; cols
+        (same shape as logp): the token of each column, when not the vocabulary's."""
         b, k = self.frontier.shape
-        lp, tok = self._top(logp, pick, k)                              # [B, K, K]
+        lp, tok = self._top(logp, pick, k, cols)                        # [B, K, K]
         score = self.scores.gather(1, self.frontier).unsqueeze(-1) + _clean(lp)
         start = k + (level - 1) * k * k
         ids = slice(start, start + k * k)                               # this level's
@@ -135,14 +140,15 @@ class Expansion:
         at = keep.unsqueeze(-1).expand(-1, -1, self.q[0].shape[-1])
         return (*out, *(x.gather(1, at) for x in self.q))
 
-    def _top(self, logp: torch.Tensor, pick: torch.Tensor | None, k: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _top(self, logp: torch.Tensor, pick: torch.Tensor | None, k: int,
+             cols: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The k children by pick (by log-prob without one): their scores (a static
         row's by rank) and tokens."""
         if pick is None:
             return logp.float().topk(k, dim=-1)
-        tok = pick.topk(k, dim=-1).indices
-        lp = logp.float().gather(-1, tok)
+        at = pick.topk(k, dim=-1).indices
+        lp = logp.float().gather(-1, at)
+        tok = at if cols is None else cols.gather(-1, at)
         if self.static is None:
             return lp, tok
         rank = math.log(0.8) + math.log(0.2) * torch.arange(k, device=lp.device,

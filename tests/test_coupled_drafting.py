@@ -26,6 +26,11 @@ SEEDS = range(20, 28)
 TOKENS = 24
 
 
+def spread(x: torch.Tensor, cols: torch.Tensor, v: int) -> torch.Tensor:
+    """draft_scores' [R, W] values over the vocabulary [R, v], -inf off their columns."""
+    return torch.full((x.shape[0], v), float("-inf")).scatter(-1, cols, x)
+
+
 def test_the_first_pick_is_the_targets_draw_and_ids_key_the_noise():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 40, generator=g) * 2
@@ -33,13 +38,15 @@ def test_the_first_pick_is_the_targets_draw_and_ids_key_the_noise():
             torch.tensor([1.0, 1.0, 0.8, 1.0, 1.0, 0.9]), torch.tensor([0, 0, 0.05, 0, 0, 0]),
             torch.arange(6) * 11, torch.arange(6) + 30]
     coupled = torch.zeros(6, dtype=torch.bool)
-    lp, pick, _, q_probs = draft_scores(logits, *rows, coupled)
+    lp, pick, cols, _, q_probs = draft_scores(logits, *rows, coupled)
+    lp, pick = spread(lp, cols, 40), spread(pick, cols, 40)
     assert torch.equal(pick.argmax(-1), draw(logits, *rows))
     assert torch.equal(lp[3], logits[3].log_softmax(-1))            # T 0: plain log-probs
     assert torch.equal(pick[3], lp[3])
     assert not q_probs.any()
     # rejection rows draw from q, the 8 likeliest of their filtered distribution
-    lp, pick, q_ids, q_probs = draft_scores(logits, *rows, ~coupled)
+    lp, pick, cols, q_ids, q_probs = draft_scores(logits, *rows, ~coupled)
+    pick = spread(pick, cols, 40)
     assert torch.allclose(q_probs[[0, 1, 2, 4, 5]].sum(-1), torch.ones(5))
     assert not q_probs[3].any()                                     # T 0: no q
     for r in (0, 1, 2, 4, 5):
@@ -47,9 +54,9 @@ def test_the_first_pick_is_the_targets_draw_and_ids_key_the_noise():
         inside[q_ids[r][q_probs[r] > 0].long()] = True
         assert torch.isinf(pick[r][~inside]).all() and pick[r].argmax() in q_ids[r]
     sub = torch.tensor([3, 9, 33])              # a drafter's columns are target ids 3, 9, 33
-    _, sub_pick, _, _ = draft_scores(logits[:, sub], *rows, coupled, ids=sub)
+    _, sub_pick, sub_cols, _, _ = draft_scores(logits[:, sub], *rows, coupled, ids=sub)
     noise = gumbel_noise(rows[4], rows[5], 40)[:, sub]
-    kept = sub_pick[0] - noise[0]
+    kept = spread(sub_pick, sub_cols, 3)[0] - noise[0]
     assert torch.allclose(kept - kept.logsumexp(0), logits[0, sub].log_softmax(0), atol=1e-5)
 
 
@@ -61,15 +68,20 @@ def test_top_k_first_drafting_scores_as_the_whole_vocabulary():
     rows = [torch.tensor([1.0, 0.7, 0.0, 1.3, 0.6, 1.0, 0.9, 0.0]),
             torch.tensor([5, 12, 0, 20, 1, 3, 20, 0]), torch.rand(8, generator=g) * 0.5 + 0.5,
             torch.rand(8, generator=g) * 0.1, torch.arange(8) * 7, torch.arange(8) + 40]
+    sampled = rows[0] > 0
     for rej in (torch.zeros(8, dtype=torch.bool), torch.arange(8) % 2 == 0):
         for ids in (None, torch.randperm(1000, generator=g)[:300]):
             dense = draft_scores(logits, *rows, rej, ids=ids)
             sparse = draft_scores(logits, *rows, rej, ids=ids, width=TOPK_FIRST)
+            assert dense[0].shape == (8, 300) and sparse[0].shape == (8, TOPK_FIRST)
             for x, y in zip(dense[:2], sparse[:2]):
-                torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(dense[3], sparse[3])
-            live = dense[3] > 0                     # a zero-probability q entry's id is moot
-            assert torch.equal(dense[2][live], sparse[2][live])
+                x = spread(x, dense[2], 300)
+                torch.testing.assert_close(x.gather(-1, sparse[2]), y, atol=1e-5, rtol=1e-5)
+                off = torch.ones(8, 300, dtype=torch.bool).scatter(-1, sparse[2], False)
+                assert torch.isinf(x[sampled.unsqueeze(-1) & off]).all()  # filtered out
+            torch.testing.assert_close(dense[4], sparse[4])
+            live = dense[4] > 0                     # a zero-probability q entry's id is moot
+            assert torch.equal(dense[3][live], sparse[3][live])
 
 
 async def _run(target_dir, draft_sampling: str) -> tuple[list[list[int]], float]:
