@@ -142,7 +142,7 @@ class DraftEngine:
             return SpecResponse(req.step_id, [], TreeBatch.padding(0, self.env.num_nodes), [])
         ids = [u.seq_id for u in req.seqs]
         try:
-            self._project(req.seqs)
+            self._stage_hidden(req.seqs)
             live = [r for r, u in enumerate(req.seqs) if self._apply(u)]
             evicted = self._evict()
             live = [r for r in live if ids[r] not in evicted]
@@ -178,23 +178,30 @@ class DraftEngine:
         self.observer.step_finished(DraftStepRecord(req, resp, t0, tp0, tp1, time.time_ns()))
         return resp
 
-    def _project(self, updates: list[SeqUpdate]) -> None:
-        """Rows that came as the target's layers, through the proposer's projection in
-        one product for the request (a product per sequence would read its weight once a
-        sequence); projected rows, and any update() will refuse, pass as they are."""
-        if not projected_width(self.proposer):
+    def _stage_hidden(self, updates: list[SeqUpdate]) -> None:
+        """The updates' hidden rows onto the drafter's device, copies issued together
+        and waited for once (from the carrier's pinned buffer a copy is DMA, and the
+        carrier reuses that buffer once it has the answer); rows that came as the
+        target's layers then go through the proposer's projection in one product for
+        the request (a product per sequence would read its weight once a sequence).
+        Projected rows, and any update() will refuse, pass as they are."""
+        proj = getattr(self.proposer, "projection", None)
+        if proj is None:
             return
-        proj = self.proposer.projection
-        raw = [u for u in updates if u.hidden is not None and u.hidden.dim() == 2
-               and u.hidden.shape[1] == proj.shape[1]]
-        if not raw:
+        rows = [u for u in updates if u.hidden is not None and u.hidden.dim() == 2
+                and u.hidden.shape[1] in proj.shape]
+        host = [u for u in rows if u.hidden.device.type == "cpu"]
+        if host and proj.device.type == "cuda":
+            for u in host:
+                u.hidden = u.hidden.to(proj.device, proj.dtype, non_blocking=True)
+            torch.cuda.current_stream(proj.device).synchronize()
+        raw = [u for u in rows if u.hidden.shape[1] == proj.shape[1]]
+        if not raw or not projected_width(self.proposer):
             return
-        # each to the device first: from the (pinned) shared buffer a copy is DMA
         out = torch.nn.functional.linear(
-            torch.cat([u.hidden.to(proj.device, proj.dtype, non_blocking=True) for u in raw]),
-            proj)
-        for u, rows in zip(raw, out.split([u.hidden.shape[0] for u in raw])):
-            u.hidden = rows
+            torch.cat([u.hidden.to(proj.device, proj.dtype) for u in raw]), proj)
+        for u, part in zip(raw, out.split([u.hidden.shape[0] for u in raw])):
+            u.hidden = part
 
     def _apply(self, u: SeqUpdate) -> bool:
         """Bring one sequence up to date; False if it must resync."""
