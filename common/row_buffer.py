@@ -37,6 +37,13 @@ class RowBuffer:
         torch.cat(self._waiting, out=self._buf[self._landed:self.len])
         self._landed, self._waiting = self.len, []
 
+    def span(self, lo: int, hi: int) -> torch.Tensor:
+        """rows[lo:hi]; the last append's rows as they are (no copy) when that is
+        what is asked, as a drafter's step asks for the units its update brought."""
+        if self._waiting and (lo, hi) == (self.len - self._waiting[-1].shape[0], self.len):
+            return self._waiting[-1]
+        return self.rows[lo:hi]
+
     @property
     def rows(self) -> torch.Tensor:
         if self._waiting:

@@ -78,4 +78,4 @@ class FeatureDrafter(KVDrafter):
         return len(st.tokens) - 1
 
     def _inputs(self, st: FeatureSeq, lo: int, hi: int) -> tuple[list[int], list[torch.Tensor]]:
-        return st.tokens[lo + 1:hi + 1], [st.feats.rows[lo:hi]]
+        return st.tokens[lo + 1:hi + 1], [st.feats.span(lo, hi)]

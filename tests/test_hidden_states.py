@@ -151,6 +151,21 @@ def test_hidden_rows_wait_as_views_until_read():
     assert buf.rows.shape[0] == buf.len and torch.all(buf.rows[-row_buffer.FLUSH_AT:] == -1)
 
 
+
+def test_a_step_reads_its_new_rows_without_landing_them():
+    """A drafter's step reads the units its update brought (the last append): they are
+    read as they are, with no copy a sequence; any other span lands and is exact."""
+    from common.row_buffer import RowBuffer
+    buf, want = RowBuffer(torch.zeros(2, 3)), torch.zeros(2, 3)
+    for step in range(6):
+        new = torch.full((1 + step % 3, 3), float(step))
+        buf.append(new)
+        want = torch.cat([want, new])
+        assert buf.span(buf.len - new.shape[0], buf.len) is new
+    assert buf._landed == 2, "reading the newest rows landed them"
+    assert torch.equal(buf.span(1, buf.len - 1), want[1:-1])
+    assert buf._landed == buf.len and torch.equal(buf.span(3, buf.len), want[3:])
+
 class WrongProjection(RecordingDrafter):
     """Announces a projection to 5 columns, then streams one of 3 rows."""
 
