@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import kernels.noise  # noqa: E402
 from common.model_paths import resolve_model  # noqa: E402
 from common.qwen3 import Qwen3Model  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
+from common.sampling import DRAFT_Q, SamplingParams, filter_width  # noqa: E402
 from common.spec_types import SeqUpdate, SpecRequest  # noqa: E402
 from common.tree import PRESETS, TreeBatch  # noqa: E402
 from draft_service.config import DraftConfig  # noqa: E402
@@ -112,17 +112,25 @@ def drafter_step(k: Kernels, method: str, envelope: str, b: int, sampled: bool) 
     eng.step(SpecRequest(2, [update(i, 2, False) for i in range(b)]))
 
 
-def verify_step(k: Kernels, b: int, n: int) -> None:
-    """The verify's greedy step graph over n-node chains (0: plain decode)."""
+def verify_step(k: Kernels, b: int, n: int, sampled: bool) -> None:
+    """The verify's step graph over n-node chains (0: plain decode); sampled: every row
+    draws (T 0.6, top-k 20), accepting by rejection sampling (a q of DRAFT_Q a node)."""
     model = Qwen3Model.from_pretrained(resolve_model("tiny-code"))
     cache = model.new_cache(64 * b + 8, 16)
     tables = [cache.blocks.allocate(8) for _ in range(b)]
     trees = None if n == 0 else TreeBatch(
         torch.randint(0, 5000, (b, n), dtype=torch.int32),
         (torch.arange(n, dtype=torch.int32) - 1).expand(b, n).contiguous())
-    packed = pack_inputs([5] * b, [40] * b, trees, tables, b, 8, 0)
+    params, q = None, 0
+    if sampled:
+        params = [SamplingParams(0.6, 20, 0.95, 0.0, 7 + i) for i in range(b)]
+        if n:
+            q = DRAFT_Q
+            trees.q_ids = torch.randint(0, 5000, (b, n, q), dtype=torch.int32)
+            trees.q_probs = torch.full((b, n, q), 1.0 / q)
+    packed = pack_inputs([5] * b, [40] * b, trees, tables, b, 8, 0, params, q)
     _counted(k, packed_step, model, cache, select(torch.device("cpu"), "triton"), n, (), n,
-             0, packed)
+             filter_width(params), packed, q, 1)
 
 
 def _counted(k: Kernels, fn, *a, **kw):
@@ -133,14 +141,18 @@ def _counted(k: Kernels, fn, *a, **kw):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--sampled", action="store_true", help="drafter rows sample (T 0.6)")
+    ap.add_argument("--sampled", action="store_true", help="rows sample (T 0.6)")
+    ap.add_argument("--only", default="", help="steps whose label contains this")
     ap.add_argument("--sites", action="store_true", help="kernels by call site")
     a = ap.parse_args()
     steps = [(f"draft {m} {e}", lambda k, m=m, e=e: drafter_step(k, m, e, a.batch, a.sampled))
              for m, e in (("eagle3", "chain4"), ("model", "chain4"), ("dflash", "block16"),
                           ("eagle3", "tree-small"), ("model", "tree-small"))]
-    steps += [(f"verify {n} nodes", lambda k, n=n: verify_step(k, a.batch, n)) for n in (0, 4)]
+    steps += [(f"verify {n} nodes", lambda k, n=n: verify_step(k, a.batch, n, a.sampled))
+              for n in (0, 4)]
     for label, run in steps:
+        if a.only not in label:
+            continue
         k = Kernels()
         run(k)
         print(f"{label}, b{a.batch}: {sum(k.ops.values())} kernels "
