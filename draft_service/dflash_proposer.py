@@ -131,6 +131,12 @@ def block_tree(logits: torch.Tensor, env: TreeEnvelope, n: torch.Tensor,
     # every position's scores in one batch: the block drafted them all at once
     at = n.long().unsqueeze(1) + 1 + torch.arange(env.depth, device=logits.device)
     lp, pick, q, cols = scores(logits, sampling, at)                         # [B, D, ...]
+    if k == 1:                  # a chain: each position's first pick, in depth order
+        b, d = at.shape
+        tokens = cols.gather(-1, pick.argmax(-1, keepdim=True)).squeeze(-1)[:, :env.num_nodes]
+        parents = torch.arange(-1, tokens.shape[1] - 1, device=at.device, dtype=torch.int32)
+        return (tokens.to(torch.int32), parents.expand(b, -1),
+                *(x[:, :env.num_nodes] for x in q))
     exp = Expansion(lp[:, 0], k, env.depth, pick[:, 0], tuple(x[:, 0] for x in q),
                     static=sampling[0] > 0, root_cols=cols[:, 0])
     for level in range(1, env.depth):

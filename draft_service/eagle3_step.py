@@ -17,7 +17,7 @@ from common.forward_batch import device_forward_batch, padded_chain_batch
 from common.kv_cache import PagedKVCache
 from common.tree import TreeEnvelope
 from draft_service.eagle3_head import Eagle3Head
-from draft_service.model_step import greedy_chain, scores
+from draft_service.model_step import SampledChain, greedy_chain, scores
 from draft_service.tree_build import Expansion
 
 
@@ -40,6 +40,17 @@ def expand_eagle3(head: Eagle3Head, cache: PagedKVCache, ops: ModuleType, env: T
         first = head.to_target(head.draft_logits(root, ops).argmax(-1))
         return greedy_chain(first, env.depth, ctx, table, cache.block_size, forward)[:2]
     ids = head.target_ids
+    if env.topk == 1:           # a sampled chain: each level's first pick
+        pick, out = SampledChain(sampling, ids), root
+
+        def forward_sampled(fb):
+            nonlocal out
+            out = head(fb, cache, ops, out)
+            return head.to_target(pick(head.logits(out, ops), fb.positions + 2))
+
+        first = head.to_target(pick(head.logits(root, ops), ctx + 1))
+        t, p, _ = greedy_chain(first, env.depth, ctx, table, cache.block_size, forward_sampled)
+        return (t, p, *pick.qs())
     lp, pick, q, cols = scores(head.logits(root, ops), sampling, ctx + 1, ids)
     exp = Expansion(lp, env.topk, env.depth, pick, q,
                     static=None if sampling is None else sampling[0] > 0, root_cols=cols)

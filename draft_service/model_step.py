@@ -84,6 +84,25 @@ def greedy_chain(first: torch.Tensor, depth: int, ctx: torch.Tensor, table: torc
             torch.where(at < depth - 1, at, -1).expand(b, depth))
 
 
+class SampledChain:
+    """A sampled chain's choice at each level (greedy_chain's forward ends in it): the
+    child is the level's first pick (common.sampling.draft_scores), whose q it keeps.
+    A chain's rerank is its depth order whatever the scores, so nothing else is kept."""
+
+    def __init__(self, sampling: list[torch.Tensor], ids: torch.Tensor | None = None) -> None:
+        self.sampling, self.ids, self.q = sampling, ids, []
+
+    def __call__(self, logits: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] of the tokens at position [B] -> the chosen columns [B]."""
+        _, pick, q, cols = scores(logits, self.sampling, position, self.ids)
+        self.q.append(q)
+        return cols.gather(-1, pick.argmax(-1, keepdim=True)).squeeze(-1)
+
+    def qs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The levels' q_ids, q_probs [B, depth, Q]."""
+        return tuple(torch.stack(x, 1) for x in zip(*self.q))
+
+
 def expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType, env: TreeEnvelope,
            depths: list[torch.Tensor], root_logits: torch.Tensor, ctx: torch.Tensor,
            table: torch.Tensor, sampling: list[torch.Tensor] | None = None
@@ -96,6 +115,12 @@ def expand(net: Qwen3Model, cache: PagedKVCache, ops: ModuleType, env: TreeEnvel
     if sampling is None and env.topk == 1:
         return greedy_chain(root_logits.argmax(-1), env.depth, ctx, table, cache.block_size,
                             lambda fb: net.greedy(net(fb, cache, ops)[0], ops))
+    if env.topk == 1:
+        pick = SampledChain(sampling)
+        out = greedy_chain(pick(root_logits, ctx), env.depth, ctx, table, cache.block_size,
+                           lambda fb: pick(ops.linear(net(fb, cache, ops)[0], net.lm_head.weight),
+                                           fb.positions + 1))
+        return (*out, *pick.qs())
     lp, pick, q, cols = scores(root_logits, sampling, ctx)
     exp = Expansion(lp, env.topk, env.depth, pick, q,
                     static=None if sampling is None else sampling[0] > 0, root_cols=cols)

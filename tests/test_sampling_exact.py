@@ -127,8 +127,8 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-# Rejection sampling on trees (siblings drawn without replacement) with both model
-# drafters; coupled acceptance with both too, one setting each: its tokens are plain
+# Rejection sampling on trees (siblings drawn without replacement) and chains with the
+# model drafters; coupled acceptance with them too, one setting each: its tokens are plain
 # decode's under the same seeds with every drafter (tests/test_coupled_drafting.py).
 # The n-gram proposer's nodes carry no q (one-hot): they are accepted as in coupled
 # acceptance, which is exact for any proposal made without the target's noise.
@@ -137,7 +137,9 @@ CASES = [("model", "rejection", "tree-small", SETTINGS),
          ("dflash", "rejection", "tree-small", SETTINGS[1:2]),
          ("model", "coupled", "chain4", SETTINGS[2:]),
          ("eagle3", "coupled", "tree-small", SETTINGS[1:2]),
-         ("dflash", "coupled", "block8", SETTINGS[:1])]
+         ("dflash", "coupled", "block8", SETTINGS[:1]),
+         ("eagle3", "rejection", "chain4", SETTINGS[2:]),     # chains: each level's first pick
+         ("dflash", "rejection", "block8", SETTINGS[1:2])]
 
 
 @pytest.mark.parametrize("method,acceptance,envelope,settings", CASES,
