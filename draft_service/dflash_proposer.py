@@ -12,7 +12,7 @@ layer. One step, batched over sequences, at a fixed shape (one CUDA-graph replay
    BLOCK), its own K/V written as scratch after the context (a later step's
    context overwrites it);
 3. *tree*: the marginals of block positions 1 .. depth. A chain takes each
-   position's best; a tree grows tree_build.Expansion from them, every frontier
+   position's best (a sampling row's first pick); a tree grows tree_build.Expansion from them, every frontier
    node of level l choosing among the same candidates of position l + 1 (the block
    drafts positions, not paths), and reranks to the best num_nodes by summed
    log-prob. A sampling row draws as the other model drafters do

@@ -4,7 +4,7 @@ CUDA graph holds: draft_service.draft_graphs.DraftGraphs).
 ``eagle3_step``: a [B, depth + 1] catch-up chain of committed pairs whose unused
 tail is padding, then ``expand_eagle3``: depth - 1 tree chunks whose hidden inputs
 are their parents' outputs, and the rerank (see eagle3_proposer for the alignment);
-a greedy chain forwards one node a level (model_step.greedy_chain).
+a chain forwards one node a level (model_step.greedy_chain).
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@ graph holds: draft_service.draft_graphs.DraftGraphs).
 
 ``catch_up_and_expand``: a [B, depth + 1] catch-up chain whose unused tail is
 padding, then ``expand``: EAGLE-2 expansion over depth - 1 tree chunks
-(``tree_build.Expansion``) and the rerank, or for a greedy chain ``greedy_chain``:
-each level forwards only its one new token per row (the levels before it already
-wrote their KV) and takes the argmax, with no scores or tree bookkeeping. Every
-shape depends only on (B, P) for a given envelope.
+(``tree_build.Expansion``) and the rerank, or for a chain ``greedy_chain``: each
+level forwards only its one new token per row (the levels before it already wrote
+their KV) and takes the argmax (a sampling batch: the first pick, ``SampledChain``),
+with no tree bookkeeping. Every shape depends only on (B, P) for a given envelope.
 """
 
 from __future__ import annotations
