@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+import common.sampling  # noqa: E402
 import kernels.noise  # noqa: E402
 from common.model_paths import resolve_model  # noqa: E402
 from common.qwen3 import Qwen3Model  # noqa: E402
@@ -55,7 +56,8 @@ def _run(fn, *a, **k):
 
 
 interpreter.InterpretedFunction.run = _run
-kernels.noise.triton_available = lambda device: True     # the noise hash as on a GPU
+# the device-dispatched kernels (the noise hash, a drafter's candidate scores) as on a GPU
+kernels.noise.triton_available = common.sampling.triton_available = lambda device: True
 
 
 class Kernels(TorchDispatchMode):

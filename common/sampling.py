@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from common.errors import InvalidRequest
+from kernels.dispatch import triton_available
 from kernels.noise import gumbel_noise
 
 
@@ -162,7 +163,16 @@ def draft_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     q is zeros). ids [V]: the target's ids of the logits' columns (a drafter with a
     vocabulary of its own); q's ids are target ids. width: as for filter_sparse (W;
     the result is the draw over the whole vocabulary, since a token outside the top
-    W is filtered out)."""
+    W is filtered out). On a GPU with Triton, a top-W batch is scored in one kernel
+    (kernels/triton_candidates.py; this is its reference)."""
+    if 0 < width < logits.shape[-1] and triton_available(logits.device):
+        from kernels.triton_candidates import MAX_WIDTH, score_candidates
+        if width <= MAX_WIDTH:
+            lf = logits.float()
+            x, cols = (lf / torch.where(temperature > 0, temperature, 1.0).unsqueeze(-1)
+                       ).topk(width, -1)
+            return score_candidates(x, cols, lf.logsumexp(-1), temperature, top_k, top_p,
+                                    min_p, seed, position, rejection, min(DRAFT_Q, width), ids)
     vals, cols = filter_sparse(logits.float(), temperature, top_k, top_p, min_p, width)
     kept = vals.log_softmax(-1)                              # [R, W], sorted descending
     w, q = kept.shape[-1], min(DRAFT_Q, kept.shape[-1])

@@ -1,0 +1,50 @@
+"""A drafter's candidate scores in one kernel (kernels/triton_candidates.py) against
+common.sampling.draft_scores' torch path: greedy, coupled and rejection rows mixed,
+top-k / top-p / min-p, a drafter vocabulary of its own (ids). Interpreter on a CPU,
+compiled with ``TRITON_INTERPRET=0`` on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_interpret import DEV, load, needs_triton
+
+from common.sampling import DRAFT_Q, TOPK_FIRST, draft_scores
+
+
+def rows(r: int, g: torch.Generator) -> list[torch.Tensor]:
+    """[temperature, top_k, top_p, min_p, seed, position] of r rows, a third greedy."""
+    t = torch.where(torch.arange(r) % 3 == 0, 0.0, 0.4 + torch.rand(r, generator=g))
+    return [t, torch.randint(1, TOPK_FIRST + 1, (r,), generator=g),
+            torch.where(torch.rand(r, generator=g) < 0.5, 1.0, 0.5 + 0.5 * torch.rand(r, generator=g)),
+            torch.where(torch.rand(r, generator=g) < 0.5, 0.0, 0.1 * torch.rand(r, generator=g)),
+            torch.randint(0, 1 << 31, (r,), generator=g), torch.randint(0, 4096, (r,), generator=g)]
+
+
+@needs_triton
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_kernel_scores_as_the_torch_path(with_ids, monkeypatch):
+    tc = load("kernels.triton_candidates")
+    g = torch.Generator().manual_seed(int(with_ids))
+    r, v = 24, 500
+    logits = torch.randn(r, v, generator=g) * 3
+    params = rows(r, g)
+    ids = torch.randperm(4000, generator=g)[:v] if with_ids else None
+    for rejection in (torch.zeros(r, dtype=torch.bool), torch.arange(r) % 2 == 1):
+        want = draft_scores(logits, *params, rejection, ids=ids, width=TOPK_FIRST)
+        lf = logits.float()
+        x, cols = (lf / torch.where(params[0] > 0, params[0], 1.0).unsqueeze(-1)).topk(TOPK_FIRST, -1)
+        got = tc.score_candidates(*[t.to(DEV) for t in (x, cols, lf.logsumexp(-1), *params,
+                                                        rejection)], DRAFT_Q,
+                                  None if ids is None else ids.to(DEV))
+        got = [t.cpu() for t in got]
+        assert torch.equal(got[2], want[2])
+        for a, b in zip(got[:2], want[:2]):
+            assert torch.equal(a.isinf(), b.isinf())
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[4], want[4], atol=1e-5, rtol=1e-5)
+        live = want[4] > 0
+        assert torch.equal(got[3][live], want[3][live]) and live.any() == rejection.any()
+        # the first pick: the token drawn (the same wherever no two picks nearly tie)
+        assert torch.equal(got[1].argmax(-1), want[1].argmax(-1))
