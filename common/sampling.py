@@ -126,16 +126,38 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     sequence of the token being drawn) int64; width: as for filter_sparse. The noise
     is only computed for the W candidates: a token's noise depends on its id alone,
     so the draw is the one over the whole vocabulary."""
-    filtered = filter_sparse(logits.float(), temperature, top_k, top_p, min_p, width)
-    return draw_filtered(logits, *filtered, temperature, seed, position)
+    return filter_draw(logits, temperature, top_k, top_p, min_p, seed, position, width)[2]
 
 
-def draw_filtered(logits: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor,
-                  temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor
-                  ) -> torch.Tensor:
-    """draw, given filter_sparse's (vals, ids) of the same logits."""
+def filter_draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor, min_p: torch.Tensor, seed: torch.Tensor,
+                position: torch.Tensor, width: int = -1
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """filter_sparse's (values, ids) [R, W] and draw's tokens [R], of the same logits.
+    On a GPU with Triton a top-W batch is filtered and drawn in one kernel
+    (kernels/triton_candidates.py; this is its reference)."""
+    top = _top_on_device(logits, temperature, width)
+    if top is not None:
+        from kernels.triton_candidates import filter_draw as on_device
+        vals, ids, tok = on_device(*top, temperature, top_k, top_p, min_p, seed, position)
+        return vals, ids, torch.where(temperature > 0, tok, logits.argmax(-1))
+    vals, ids = filter_sparse(logits.float(), temperature, top_k, top_p, min_p, width)
     pick = (vals + gumbel_noise(seed, position, ids)).argmax(-1, keepdim=True)
-    return torch.where(temperature > 0, ids.gather(-1, pick).squeeze(-1), logits.argmax(-1))
+    return vals, ids, torch.where(temperature > 0, ids.gather(-1, pick).squeeze(-1),
+                                  logits.argmax(-1))
+
+
+def _top_on_device(logits: torch.Tensor, temperature: torch.Tensor, width: int
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(logits / T)'s top-W values and columns [R, W] (T 1 where 0) when the rest is
+    for a Triton kernel: a GPU, 0 < W <= kernels.triton_candidates.MAX_WIDTH."""
+    if not (0 < width < logits.shape[-1] and triton_available(logits.device)):
+        return None
+    from kernels.triton_candidates import MAX_WIDTH
+    if width > MAX_WIDTH:
+        return None
+    x = logits.float() / torch.where(temperature > 0, temperature, 1.0).unsqueeze(-1)
+    return x.topk(width, -1)
 
 
 # A drafter's q under rejection sampling: its filtered distribution's DRAFT_Q likeliest
@@ -165,14 +187,11 @@ def draft_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     the result is the draw over the whole vocabulary, since a token outside the top
     W is filtered out). On a GPU with Triton, a top-W batch is scored in one kernel
     (kernels/triton_candidates.py; this is its reference)."""
-    if 0 < width < logits.shape[-1] and triton_available(logits.device):
-        from kernels.triton_candidates import MAX_WIDTH, score_candidates
-        if width <= MAX_WIDTH:
-            lf = logits.float()
-            x, cols = (lf / torch.where(temperature > 0, temperature, 1.0).unsqueeze(-1)
-                       ).topk(width, -1)
-            return score_candidates(x, cols, lf.logsumexp(-1), temperature, top_k, top_p,
-                                    min_p, seed, position, rejection, min(DRAFT_Q, width), ids)
+    top = _top_on_device(logits, temperature, width)
+    if top is not None:
+        from kernels.triton_candidates import score_candidates
+        return score_candidates(*top, logits.float().logsumexp(-1), temperature, top_k, top_p,
+                                min_p, seed, position, rejection, min(DRAFT_Q, width), ids)
     vals, cols = filter_sparse(logits.float(), temperature, top_k, top_p, min_p, width)
     kept = vals.log_softmax(-1)                              # [R, W], sorted descending
     w, q = kept.shape[-1], min(DRAFT_Q, kept.shape[-1])

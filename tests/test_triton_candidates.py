@@ -10,7 +10,7 @@ import torch
 
 from triton_interpret import DEV, load, needs_triton
 
-from common.sampling import DRAFT_Q, TOPK_FIRST, draft_scores
+from common.sampling import DRAFT_Q, TOPK_FIRST, draft_scores, filter_draw
 
 
 def rows(r: int, g: torch.Generator) -> list[torch.Tensor]:
@@ -48,3 +48,20 @@ def test_kernel_scores_as_the_torch_path(with_ids, monkeypatch):
         assert torch.equal(got[3][live], want[3][live]) and live.any() == rejection.any()
         # the first pick: the token drawn (the same wherever no two picks nearly tie)
         assert torch.equal(got[1].argmax(-1), want[1].argmax(-1))
+
+
+@needs_triton
+def test_draw_kernel_filters_and_draws_as_the_torch_path():
+    tc = load("kernels.triton_candidates")
+    g = torch.Generator().manual_seed(5)
+    r, v = 40, 700
+    logits = torch.randn(r, v, generator=g) * 3
+    params = rows(r, g)
+    vals, ids, tokens = filter_draw(logits, *params, width=TOPK_FIRST)
+    x, cols = (logits / torch.where(params[0] > 0, params[0], 1.0).unsqueeze(-1)).topk(TOPK_FIRST, -1)
+    got = [t.cpu() for t in tc.filter_draw(*[t.to(DEV) for t in (x, cols, *params)])]
+    assert torch.equal(got[1], ids) and torch.equal(got[0].isinf(), vals.isinf())
+    torch.testing.assert_close(got[0], vals)
+    drawing = params[0] > 0
+    assert torch.equal(got[2][drawing], tokens[drawing]) and (got[2][~drawing] == -1).all()
+    assert torch.equal(tokens[~drawing], logits[~drawing].argmax(-1))

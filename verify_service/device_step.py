@@ -20,7 +20,7 @@ from common.accept import commit_kv
 from common.forward_batch import device_forward_batch
 from common.kv_cache import PagedKVCache
 from common.qwen3 import Qwen3Model
-from common.sampling import draw_filtered, filter_sparse
+from common.sampling import filter_draw
 from common.tree import ROOT, verify_chunk_layout
 
 
@@ -64,9 +64,8 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
     else:
         per_row = sampling if t == 1 else [x.repeat_interleave(t) for x in sampling]
         logits = ops.linear(hidden, model.lm_head.weight)
-        vals, ids = filter_sparse(logits.float(), *per_row[:4], width=width)
-        target_ids = draw_filtered(logits, vals, ids, per_row[0], per_row[4],
-                                   fb.positions + 1).view(b, t)
+        vals, ids, target_ids = filter_draw(logits, *per_row[:5], fb.positions + 1, width)
+        target_ids = target_ids.view(b, t)
     if n:
         accepted, num, bonus = ops.accept_greedy(tokens, parents, target_ids, depth)
     else:
