@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
 from common.graph_buckets import MIN_PAGES, BucketedGraphs, bucket
 from common.kv_cache import PagedKVCache, SeqPages
-from common.sampling import GREEDY, TOPK_FIRST, SamplingParams, as_tensors, filter_width
+from common.sampling import GREEDY, TOPK_FIRST, SamplingParams, filter_width
 from draft_service.proposer import RowSampling
 
 # an extra per-unit input of a step: (shape of one unit's row, dtype)
@@ -21,11 +22,16 @@ Extra = tuple[tuple[int, ...], torch.dtype]
 class DraftGraphs:
     """A drafter's step ``fn(tokens [B, C] int64, count [B] int32, ctx0 [B] int32,
     table [B, P] int32, *extras [B, C, ...], sampling=None, depth=0)`` captured per
-    (batch bucket, page bucket), again per shallower depth (greedy), and with sampling (each row's [temperature, top_k,
-    top_p, min_p, seed] and rejection flag [B], padding rows greedy, then the batch's
-    filter width, a constant of the graph) for batches where a row samples: row b's
-    first count[b] units are written from ctx0[b] on, the rest is padding. A sampled
-    step's last two outputs are the trees' q_ids and q_probs."""
+    (batch bucket, page bucket), again per shallower depth (greedy), and with sampling
+    (each row's [temperature, top_k, top_p, min_p, seed] and rejection flag [B],
+    padding rows greedy, then the batch's filter width, a constant of the graph) for
+    batches where a row samples: row b's first count[b] units are written from
+    ctx0[b] on, the rest is padding. A sampled step's last two outputs are the trees'
+    q_ids and q_probs.
+
+    A step uploads its host inputs as one int32 tensor (floats as their bits) and
+    reads its outputs back as one: each transfer costs a call and a wait, and a
+    drafter step at batch 1 is ~1 ms."""
 
     def __init__(self, cache: PagedKVCache, catch_up_len: int,
                  fn: Callable[..., tuple[torch.Tensor, ...]], extras: list[Extra],
@@ -35,6 +41,7 @@ class DraftGraphs:
         # captured graphs start at MIN_PAGES pages (on the CPU nothing is captured)
         on_gpu = capture and cache.device.type == "cuda"
         self.buckets = BucketedGraphs(cache, capture, MIN_PAGES if on_gpu else 1)
+        self._layout: dict[tuple, list[tuple[tuple[int, ...], torch.dtype]]] = {}
 
     @torch.inference_mode()
     def __call__(self, new_tokens: list[list[int]], new_extras: list[list[torch.Tensor]],
@@ -43,12 +50,13 @@ class DraftGraphs:
         """Row r's units: new_tokens[r] (1 .. catch_up_len) with new_extras[r][k]
         [same, *shape of extra k] on the device, written from pages[r].kv_len on;
         sampling[r] row r's (None: greedy); depth: a shallower tree's (0: the
-        envelope's). Returns fn's outputs for the real rows (advancing kv_len is the
-        caller's)."""
+        envelope's). Returns fn's outputs for the real rows, on the host (advancing
+        kv_len is the caller's)."""
         gb, dev, c = self.buckets, self.cache.device, self.catch_up_len
         real = len(pages)
         b, p, table = gb.shape(pages)
         tokens, count, ctx0 = gb.chain_inputs(new_tokens, pages, b, c)
+        cols = [tokens.int(), count.unsqueeze(1), ctx0.unsqueeze(1), table]
         extras = []
         if self.extras:          # each row's units at [r, :n] of [b, c], in one copy
             at = torch.tensor([r * c + i for r, t in enumerate(new_tokens)
@@ -57,51 +65,85 @@ class DraftGraphs:
             x = torch.zeros((b, c, *shape), dtype=dtype, device=dev)
             x.view(b * c, *shape)[at] = torch.cat([rows[k] for rows in new_extras])
             extras.append(x)
-
-        per_row, width = [], 0
+        width = 0
         if sampling is not None:
             params = [r.params if r else GREEDY for r in sampling] + [GREEDY] * (b - real)
-            per_row = _per_row(params, [bool(r and r.rejection) for r in sampling]
-                               + [False] * (b - real), dev)
+            cols.append(per_row(params, [bool(r and r.rejection) for r in sampling]
+                                + [False] * (b - real)))
             width = filter_width(params)
-        out = self._graph(b, p, per_row, width, depth)(tokens, count, ctx0, table, *extras,
-                                                       *per_row)
-        return tuple(x[:real].clone() for x in out)
+        key, graph = self._graph(b, p, sampling is not None, width, depth)
+        out = graph(torch.cat(cols, 1), *extras)[0][:real].cpu()
+        return unpack(out, self._layout[key])
 
-    def _graph(self, b: int, p: int, per_row: list[torch.Tensor], width: int = 0,
-               depth: int = 0):
-        """The step's graph at batch bucket b and page bucket p (sampled when per_row
-        holds the rows' sampling tensors; to depth when not 0), captured on first use."""
+    def _graph(self, b: int, p: int, sampled: bool, width: int = 0, depth: int = 0):
+        """(family, graph): the step's graph at batch bucket b and page bucket p
+        (sampled: with the rows' sampling columns; to depth when not 0), captured on
+        first use."""
         gb, dev, c = self.buckets, self.cache.device, self.catch_up_len
+        n = c + 2 + p + (SAMPLING_COLS if sampled else 0)
 
         def example(bb: int) -> list[torch.Tensor]:
-            return [torch.zeros((bb, c), dtype=torch.int64, device=dev),
-                    torch.ones(bb, dtype=torch.int32, device=dev),
-                    torch.zeros(bb, dtype=torch.int32, device=dev), gb.table_example(bb, p),
-                    *[torch.zeros((bb, c, *shape), dtype=dtype, device=dev)
-                      for shape, dtype in self.extras],
-                    *[x[:1].expand(bb).contiguous() for x in per_row]]
+            packed = torch.zeros((bb, n), dtype=torch.int32, device=dev)
+            packed[:, c] = 1                                    # one unit a row
+            packed[:, c + 2:c + 2 + p] = gb.scratch
+            if sampled:
+                packed[:, c + 2 + p:] = per_row([GREEDY], [False]).to(dev)
+            return [packed, *[torch.zeros((bb, c, *shape), dtype=dtype, device=dev)
+                              for shape, dtype in self.extras]]
 
-        n = 4 + len(self.extras)
+        family = ("step-sampled", width) if sampled else "step"
+        key = (family, depth) if depth else family
 
-        def fn(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return self.fn(*xs[:n], sampling=[*xs[n:], width] if per_row else None,
-                           depth=depth)
+        def fn(packed: torch.Tensor, *extras: torch.Tensor) -> tuple[torch.Tensor]:
+            samp = None
+            if sampled:
+                x = packed[:, c + 2 + p:].contiguous()
+                f = x.view(torch.float32)
+                samp = [f[:, 0], x[:, 1].long(), f[:, 2], f[:, 3], x[:, 4].long(),
+                        x[:, 5].bool(), width]
+            out = self.fn(packed[:, :c].long(), packed[:, c].contiguous(),
+                          packed[:, c + 1].contiguous(), packed[:, c + 2:c + 2 + p].contiguous(),
+                          *extras, sampling=samp, depth=depth)
+            self._layout[key] = [(tuple(x.shape[1:]), x.dtype) for x in out]
+            return (pack(out),)
 
-        family = ("step-sampled", width) if per_row else "step"
-        return gb.get((family, depth) if depth else family, b, p, example, fn)
+        return key, gb.get(key, b, p, example, fn)
 
     def capture_all(self, max_batch: int, depths: tuple[int, ...] = ()) -> None:
         """Every family (greedy, also to each of depths; sampled from the top-k first
         or the whole vocabulary) at every batch bucket to max_batch's, smallest page
         bucket."""
-        greedy = _per_row([GREEDY], [False], self.cache.device)
-        for per_row, width, depth in (([], 0, 0), (greedy, TOPK_FIRST, 0), (greedy, -1, 0),
-                                      *(([], 0, d) for d in depths)):
-            self._graph(bucket(max_batch), self.buckets.min_pages, per_row, width, depth)
+        for sampled, width, depth in ((False, 0, 0), (True, TOPK_FIRST, 0), (True, -1, 0),
+                                      *((False, 0, d) for d in depths)):
+            self._graph(bucket(max_batch), self.buckets.min_pages, sampled, width, depth)
 
 
-def _per_row(params: list[SamplingParams], rejection: list[bool], dev: torch.device
-             ) -> list[torch.Tensor]:
-    """A sampled step's per-row inputs: the sampling parameters and rejection flag."""
-    return as_tensors(params, dev) + [torch.tensor(rejection, device=dev)]
+SAMPLING_COLS = 6       # a sampled step's columns a row: T, top_k, top_p, min_p, seed, rejection
+
+
+def per_row(params: list[SamplingParams], rejection: list[bool]) -> torch.Tensor:
+    """A sampled step's host columns [B, SAMPLING_COLS] int32 (floats as their bits)."""
+    f = np.array([[x.temperature, x.top_p, x.min_p] for x in params], dtype=np.float32)
+    i = np.array([[x.top_k, x.seed, r] for x, r in zip(params, rejection)], dtype=np.int32)
+    f = f.view(np.int32)
+    return torch.from_numpy(np.stack([f[:, 0], i[:, 0], f[:, 1], f[:, 2], i[:, 1], i[:, 2]], 1))
+
+
+def pack(out: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A step's outputs [B, ...] as one int32 tensor [B, total]: floats as their float32
+    bits, integers (ids, positions, flags: below 2^31) converted."""
+    b = out[0].shape[0]
+    return torch.cat([(x.float().view(torch.int32) if x.is_floating_point()
+                       else x.to(torch.int32)).reshape(b, -1) for x in out], 1)
+
+
+def unpack(packed: torch.Tensor, layout: list[tuple[tuple[int, ...], torch.dtype]]
+           ) -> tuple[torch.Tensor, ...]:
+    """pack's inverse, given each output's per-row shape and dtype."""
+    out, at = [], 0
+    for shape, dtype in layout:
+        n = int(np.prod(shape, dtype=np.int64))
+        x = packed[:, at:at + n].contiguous().view(-1, *shape)
+        out.append(x.view(torch.float32).to(dtype) if dtype.is_floating_point else x.to(dtype))
+        at += n
+    return tuple(out)

@@ -135,7 +135,7 @@ class KVDrafter:
 
     def _drafted(self, seqs: list[DraftSeq], out: tuple[torch.Tensor, ...]) -> None:
         """Remember what was drafted (the draft model: for its rollback). out: the
-        step's outputs, the first three (tokens, parents, the subclass's) on the host."""
+        step's outputs (tokens, parents, the subclass's), on the host."""
 
     def _forget(self, st: DraftSeq) -> None:
         """st's KV was dropped: forget whatever refers to it."""
@@ -224,7 +224,6 @@ class KVDrafter:
         for st, u in zip(seqs, units):
             st.pages.kv_len = u
         rejection = sampling is not None and any(r and r.rejection for r in sampling)
-        out = tuple(x.cpu() if i < 3 or rejection else x for i, x in enumerate(out))
         self._drafted(seqs, out)
         trees = TreeBatch(out[0], out[1])
         if rejection:
