@@ -5,6 +5,7 @@ each step padded to its buckets; on the CPU the same function runs eagerly.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -142,7 +143,7 @@ def unpack(packed: torch.Tensor, layout: list[tuple[tuple[int, ...], torch.dtype
     """pack's inverse, given each output's per-row shape and dtype."""
     out, at = [], 0
     for shape, dtype in layout:
-        n = int(np.prod(shape, dtype=np.int64))
+        n = math.prod(shape)
         x = packed[:, at:at + n].contiguous().view(-1, *shape)
         out.append(x.view(torch.float32).to(dtype) if dtype.is_floating_point else x.to(dtype))
         at += n
