@@ -102,9 +102,6 @@ class BucketedGraphs:
             count[r], ctx0[r] = len(new), sp.kv_len
         return torch.from_numpy(tokens), torch.from_numpy(count), torch.from_numpy(ctx0)
 
-    def table_example(self, bb: int, p: int) -> torch.Tensor:
-        return torch.full((bb, p), self.scratch, dtype=torch.int32, device=self.cache.device)
-
     def batches(self, family: Hashable) -> list[int]:
         """Batch buckets captured so far for family (tests and logs)."""
         return sorted({k[1] for k in self.graphs if k[0] == family})

@@ -12,10 +12,10 @@ layer. One step, batched over sequences, at a fixed shape (one CUDA-graph replay
    BLOCK), its own K/V written as scratch after the context (a later step's
    context overwrites it);
 3. *tree*: the marginals of block positions 1 .. depth. A chain takes each
-   position's best (a sampling row's first pick); a tree grows tree_build.Expansion from them, every frontier
-   node of level l choosing among the same candidates of position l + 1 (the block
-   drafts positions, not paths), and reranks to the best num_nodes by summed
-   log-prob. A sampling row draws as the other model drafters do
+   position's best (a sampling row's first pick); a tree grows tree_build.Expansion
+   from them, every frontier node of level l choosing among the same candidates of
+   position l + 1 (the block drafts positions, not paths), and reranks to the best
+   num_nodes by summed log-prob. A sampling row draws as the other model drafters do
    (common.sampling.draft_scores, keyed by the position).
 
 Rollback is free, as for EAGLE-3: only committed pairs' K/V is ever kept.
@@ -132,7 +132,7 @@ def block_tree(logits: torch.Tensor, env: TreeEnvelope, n: torch.Tensor,
     at = n.long().unsqueeze(1) + 1 + torch.arange(env.depth, device=logits.device)
     lp, pick, q, cols = scores(logits, sampling, at)                         # [B, D, ...]
     if k == 1:                  # a chain: each position's first pick, in depth order
-        b, d = at.shape
+        b = at.shape[0]
         tokens = cols.gather(-1, pick.argmax(-1, keepdim=True)).squeeze(-1)[:, :env.num_nodes]
         parents = torch.arange(-1, tokens.shape[1] - 1, device=at.device, dtype=torch.int32)
         return (tokens.to(torch.int32), parents.expand(b, -1),

@@ -143,7 +143,7 @@ class Expansion:
     def _top(self, logp: torch.Tensor, pick: torch.Tensor | None, k: int,
              cols: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The k children by pick (by log-prob without one): their scores (a static
-        row's by rank) and tokens."""
+        row's by rank) and tokens (cols' where given, else the column indices)."""
         if pick is None:
             return logp.float().topk(k, dim=-1)
         at = pick.topk(k, dim=-1).indices
