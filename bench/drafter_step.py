@@ -121,10 +121,16 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
     samp = [RowSampling(SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=s),
                         rejection=True) for s in ids] if sampled else None
 
-    def news() -> list:             # 4 new committed units a row (3 accepted + a bonus)
-        return [(s, torch.randint(0, vocab, (4,), generator=g).tolist(), hidden(4)) for s in ids]
+    gpu_rows = bool(feat) and torch.cuda.is_available()
+
+    def news() -> list:             # 4 new committed units a row (3 accepted + a bonus),
+        return [(s, torch.randint(0, vocab, (4,), generator=g).tolist(),   # rows pinned as
+                 hidden(4).pin_memory() if gpu_rows else hidden(4)) for s in ids]  # sent
 
     def apply(rows: list) -> None:  # what the draft engine does with them: timed
+        if gpu_rows:                # DraftEngine._stage_hidden: async copies, one wait
+            rows = [(s, new, h.to(prop.head.device, non_blocking=True)) for s, new, h in rows]
+            torch.cuda.current_stream().synchronize()
         for s, new, h in rows:
             toks[s] += new
             prop.update(s, toks[s], 4, [], h)
