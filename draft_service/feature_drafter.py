@@ -54,7 +54,8 @@ class FeatureDrafter(KVDrafter):
 
     def update(self, seq_id: int, tokens: list[int], new_count: int,
                accepted_nodes: list[int], hidden: torch.Tensor | None) -> None:
-        h, c = self.projection.shape
+        proj = self.projection
+        h, c = proj.shape
         if hidden is None:
             hidden = torch.zeros(new_count, h)
         elif hidden.dim() != 2 or hidden.shape[0] != new_count or hidden.shape[1] not in (h, c):
@@ -64,9 +65,9 @@ class FeatureDrafter(KVDrafter):
                 f"of the target it was trained for) or [{new_count}, {h}] projected")
         st = self.state(seq_id)
         # a host tensor may be the carrier's reused buffer: copied
-        rows = hidden.to(self.head.device, self.head.dtype, copy=hidden.device.type == "cpu")
+        rows = hidden.to(proj.device, proj.dtype, copy=hidden.device.type == "cpu")
         if rows.shape[1] != h or h == c:
-            rows = torch.nn.functional.linear(rows, self.projection)
+            rows = torch.nn.functional.linear(rows, proj)
         if new_count == len(tokens):          # from nothing: s_0 has no pair
             self.cache.release(st.pages)
             st.feats = RowBuffer(rows[1:])
