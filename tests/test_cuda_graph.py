@@ -111,3 +111,21 @@ def test_a_drafts_budgets_are_captured_when_it_connects(target_dir):
     v.warm_up()
     for w, _ in budgets:
         assert v.buckets.batches((w, (1,), 0, 0, 0)) == [1, 2, 4, 8, 16, 32]
+
+
+def test_a_draft_steps_outputs_cross_as_one_tensor_and_back():
+    """draft_graphs.pack / unpack: what a drafter's step returns (tokens, parents,
+    positions, q ids and probabilities, any float) survives the one readback exactly."""
+    from draft_service.draft_graphs import pack, unpack
+    g = torch.Generator().manual_seed(0)
+    out = (torch.randint(0, 150_000, (3, 4), generator=g, dtype=torch.int32),
+           torch.randint(-2, 4, (3, 4), generator=g),                       # int64
+           torch.randint(0, 9, (3,), generator=g),
+           torch.randint(0, 150_000, (3, 4, 5), generator=g, dtype=torch.int32),
+           torch.rand(3, 4, 5, generator=g), torch.rand(3, 2, generator=g).bfloat16(),
+           torch.rand(3, generator=g) > 0.5)
+    packed = pack(out)
+    assert packed.dtype == torch.int32 and packed.shape == (3, 4 + 4 + 1 + 20 + 20 + 2 + 1)
+    back = unpack(packed[:2], [(tuple(x.shape[1:]), x.dtype) for x in out])
+    for x, y in zip(out, back):
+        assert y.dtype == x.dtype and torch.equal(y, x[:2])
