@@ -109,21 +109,11 @@ def score_candidates(x: torch.Tensor, cols: torch.Tensor, lse: torch.Tensor,
     logits; per-row parameters [R]; q the rejection rows' q width (<= W); ids [V] the
     target ids of the columns (None: the columns are) -> draft_scores' (log-probs,
     picks, columns, q_ids, q_probs)."""
-    where = "score_candidates"
-    r, w = x.shape
-    if not 0 < q <= w <= MAX_WIDTH:
-        raise ValueError(f"{where}: need 0 < q <= W <= {MAX_WIDTH}, got q {q}, W {w}")
-    check_dtype(where, "x", x, FLOAT_DTYPES)
-    check_shape(where, "cols", cols, (r, w))
-    rows = {"lse": lse, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-            "min_p": min_p, "seed": seed, "position": position, "rejection": rejection}
-    for name, t in rows.items():
-        check_shape(where, name, t, (r,))
-    for name, t in (("cols", cols), ("top_k", top_k), ("seed", seed), ("position", position)):
-        check_dtype(where, name, t, INDEX_DTYPES)
+    r, w = _check("score_candidates", _candidates_kernel, x, cols, q, lse=lse,
+                  temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                  position=position, rejection=rejection)
     if ids is not None:
-        check_dtype(where, "ids", ids, INDEX_DTYPES)
-    check_devices(_candidates_kernel, where, x=x, cols=cols, **rows)
+        check_dtype("score_candidates", "ids", ids, INDEX_DTYPES)
     dev = x.device
     lp = torch.empty(r, w, dtype=torch.float32, device=dev)
     pick = torch.empty_like(lp)
@@ -146,19 +136,8 @@ def filter_draw(x: torch.Tensor, cols: torch.Tensor, temperature: torch.Tensor,
     """x, cols as for score_candidates; per-row parameters [R] -> common.sampling's
     filter_sparse (values [R, W], cols) and each drawing row's token [R] int64 (-1
     where T is 0: the caller takes the argmax of the logits)."""
-    where = "filter_draw"
-    r, w = x.shape
-    if not 0 < w <= MAX_WIDTH:
-        raise ValueError(f"{where}: need 0 < W <= {MAX_WIDTH}, got W {w}")
-    check_dtype(where, "x", x, FLOAT_DTYPES)
-    check_shape(where, "cols", cols, (r, w))
-    rows = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-            "seed": seed, "position": position}
-    for name, t in rows.items():
-        check_shape(where, name, t, (r,))
-    for name, t in (("cols", cols), ("top_k", top_k), ("seed", seed), ("position", position)):
-        check_dtype(where, name, t, INDEX_DTYPES)
-    check_devices(_draw_kernel, where, x=x, cols=cols, **rows)
+    r, w = _check("filter_draw", _draw_kernel, x, cols, 1, temperature=temperature,
+                  top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, position=position)
     vals = torch.empty(r, w, dtype=torch.float32, device=x.device)
     tokens = torch.empty(r, dtype=torch.int64, device=x.device)
     if r:
@@ -166,3 +145,21 @@ def filter_draw(x: torch.Tensor, cols: torch.Tensor, temperature: torch.Tensor,
                                           top_p.float(), min_p.float(), seed, position)]
         _draw_kernel[(r,)](*args, vals, tokens, w, BLOCK_W=max(16, next_pow2(w)), num_warps=2)
     return vals, cols, tokens
+
+
+def _check(where: str, kernel, x: torch.Tensor, cols: torch.Tensor, q: int,
+           **rows: torch.Tensor) -> tuple[int, int]:
+    """A launcher's arguments: x [R, W] float and cols [R, W] ids (0 < q <= W <=
+    MAX_WIDTH), per-row tensors [R] (top_k, seed, position ids), one device -> (R, W)."""
+    r, w = x.shape
+    if not 0 < q <= w <= MAX_WIDTH:
+        raise ValueError(f"{where}: need 0 < q <= W <= {MAX_WIDTH}, got q {q}, W {w}")
+    check_dtype(where, "x", x, FLOAT_DTYPES)
+    check_shape(where, "cols", cols, (r, w))
+    for name, t in rows.items():
+        check_shape(where, name, t, (r,))
+    for name in ("top_k", "seed", "position"):
+        check_dtype(where, name, rows[name], INDEX_DTYPES)
+    check_dtype(where, "cols", cols, INDEX_DTYPES)
+    check_devices(kernel, where, x=x, cols=cols, **rows)
+    return r, w
