@@ -28,7 +28,8 @@ class RowBuffer:
         if len(self._waiting) >= FLUSH_AT:
             self._land()
 
-    def _land(self) -> None:
+    @torch.inference_mode()       # a drafter reads inside its step's inference mode, but
+    def _land(self) -> None:        # appends outside it: both must write the same kind
         if self.len > self._buf.shape[0] or not self._owned:
             grown = self._buf.new_empty((max(self.len, 2 * self._buf.shape[0]),
                                          *self._buf.shape[1:]))

@@ -196,3 +196,21 @@ def test_a_draft_whose_projection_disagrees_is_not_used(target_dir, caplog):
     assert out.token_ids == ref and not ready and rec.tokens == {}
     lines = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(lines) == 1 and "projection to 5 columns but sent (3, 128)" in lines[0], lines
+
+
+def test_rows_land_outside_inference_mode_after_a_read_inside_it():
+    """A drafter reads (and so lands and grows) its rows inside its step's inference
+    mode, but appends arrive in update(), outside it: the FLUSH_AT-th append then
+    wrote into an inference tensor and failed the request (H100, EAGLE-3 and DFlash
+    shadow at b32: 'Inplace update to inference tensor outside InferenceMode')."""
+    from common.row_buffer import FLUSH_AT, RowBuffer
+    buf, want = RowBuffer(torch.zeros(64, 3)), [torch.zeros(64, 3)]   # a prompt's rows
+    with torch.inference_mode():
+        buf.append(torch.ones(1, 3))
+        want.append(torch.ones(1, 3))
+        assert buf.rows.shape[0] == 65        # landed, grown to 128 rows in inference mode
+    for i in range(2 * FLUSH_AT):
+        rows = torch.full((1, 3), float(i))
+        buf.append(rows)
+        want.append(rows)
+    assert torch.equal(buf.rows, torch.cat(want))
