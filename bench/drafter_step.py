@@ -33,7 +33,6 @@ from bench.inproc_bench import replay_ms  # noqa: E402
 from common.sampling import SamplingParams, filter_width  # noqa: E402
 from common.tree import envelope_from  # noqa: E402
 from draft_service.config import DraftConfig  # noqa: E402
-from draft_service.engine import upload  # noqa: E402
 from draft_service.proposer import RowSampling  # noqa: E402
 from draft_service.registry import PROPOSERS  # noqa: E402
 
@@ -125,16 +124,12 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
     gpu_rows = bool(feat) and torch.cuda.is_available()
 
     def news() -> list:             # 4 new committed units a row (3 accepted + a bonus),
-        h = hidden(4 * len(ids))    # the rows one after another in one pinned buffer, as
-        if gpu_rows:                # the carrier's shared buffer holds them
-            h = h.pin_memory()
-        return [(s, torch.randint(0, vocab, (4,), generator=g).tolist(),
-                 None if h is None else h[4 * i:4 * i + 4]) for i, s in enumerate(ids)]
+        return [(s, torch.randint(0, vocab, (4,), generator=g).tolist(),   # rows pinned as
+                 hidden(4).pin_memory() if gpu_rows else hidden(4)) for s in ids]  # sent
 
     def apply(rows: list) -> None:  # what the draft engine does with them: timed
-        if gpu_rows:                # DraftEngine._stage_hidden: the copies, one wait
-            up = upload([h for *_, h in rows], prop.head.device)
-            rows = [(s, new, h) for (s, new, _), h in zip(rows, up)]
+        if gpu_rows:                # DraftEngine._stage_hidden: async copies, one wait
+            rows = [(s, new, h.to(prop.head.device, non_blocking=True)) for s, new, h in rows]
             torch.cuda.current_stream().synchronize()
         for s, new, h in rows:
             toks[s] += new

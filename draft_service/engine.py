@@ -192,8 +192,8 @@ class DraftEngine:
                 and u.hidden.shape[1] in proj.shape]
         host = [u for u in rows if u.hidden.device.type == "cpu"]
         if host and proj.device.type == "cuda":
-            for u, t in zip(host, upload([u.hidden for u in host], proj.device)):
-                u.hidden = t.to(proj.dtype)
+            for u in host:
+                u.hidden = u.hidden.to(proj.device, proj.dtype, non_blocking=True)
             torch.cuda.current_stream(proj.device).synchronize()
         raw = [u for u in rows if u.hidden.shape[1] == proj.shape[1]]
         if not raw or not projected_width(self.proposer):
@@ -240,24 +240,3 @@ class DraftEngine:
             self.release([s])
             evicted.add(s)
         return evicted
-
-
-def upload(ts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Host tensors onto device without waiting: those that lie together in one buffer
-    (the carrier's shared buffer holds a request's rows one after another) as one copy
-    of their span, the rest one copy each."""
-    spans: dict[tuple[int, torch.dtype], list[int]] = {}
-    for i, t in enumerate(ts):
-        if t.is_contiguous():
-            spans.setdefault((t.untyped_storage().data_ptr(), t.dtype), []).append(i)
-    out = [None] * len(ts)
-    for idx in spans.values():
-        lo = min(ts[i].storage_offset() for i in idx)
-        hi = max(ts[i].storage_offset() + ts[i].numel() for i in idx)
-        if len(idx) > 1 and hi - lo <= 2 * sum(ts[i].numel() for i in idx):
-            flat = torch.as_strided(ts[idx[0]], (hi - lo,), (1,), lo).to(device, non_blocking=True)
-            for i in idx:
-                at = ts[i].storage_offset() - lo
-                out[i] = flat[at:at + ts[i].numel()].view(ts[i].shape)
-    return [t.to(device, non_blocking=True) if o is None else o for t, o in zip(ts, out)]
-

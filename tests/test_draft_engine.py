@@ -214,32 +214,3 @@ def test_a_budget_depth_pads_the_nodes_past_it():
     kept = cut.parents[0] != PAD
     assert (cut.parents[0][kept] == -1).all() and kept.sum() >= 1   # depth-1 nodes only
     assert torch.equal(cut.tokens[0][kept], whole.tokens[0][kept])
-
-
-def test_rows_that_lie_together_go_up_in_one_copy():
-    """A request's hidden rows lie one after another in the carrier's shared buffer:
-    they reach the drafter's device as one copy of their span (32 copies a b32 step
-    were ~0.6 ms of host work on the H100), each as its own view; rows elsewhere, or
-    spread over a mostly unrelated span, go up one copy each."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from draft_service.engine import upload
-
-    base = torch.arange(60, dtype=torch.float32)
-    together = [base[0:12].view(4, 3), base[12:18].view(2, 3), base[18:27].view(3, 3)]
-    big = torch.arange(2000.0)
-    gap = [big[1990:1996].view(2, 3), big[0:6].view(2, 3)]       # a span of 1996 for 12
-    ts = together + [base[27:30].view(1, 3), torch.ones(2, 3), *gap]
-    for got, t in zip(upload(ts, torch.device("cpu")), ts):
-        assert torch.equal(got, t)
-
-    class Copies(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Copies.n += func is torch.ops.aten._to_copy.default
-            return func(*args, **(kwargs or {}))
-
-    with Copies():
-        out = upload(ts, torch.device("meta"))
-    assert [o.shape for o in out] == [t.shape for t in ts]
-    assert Copies.n == 4       # base's four rows in one span, the lone row, the gap's two
