@@ -124,8 +124,11 @@ def run(prop, method: str, b: int, ctx: int, steps: int, sampled: bool, profile:
     gpu_rows = bool(feat) and torch.cuda.is_available()
 
     def news() -> list:             # 4 new committed units a row (3 accepted + a bonus),
-        return [(s, torch.randint(0, vocab, (4,), generator=g).tolist(),   # rows pinned as
-                 hidden(4).pin_memory() if gpu_rows else hidden(4)) for s in ids]  # sent
+        h = hidden(4 * len(ids))    # the rows one after another in one pinned buffer, as
+        if gpu_rows:                # the carrier's shared buffer holds them
+            h = h.pin_memory()
+        return [(s, torch.randint(0, vocab, (4,), generator=g).tolist(),
+                 None if h is None else h[4 * i:4 * i + 4]) for i, s in enumerate(ids)]
 
     def apply(rows: list) -> None:  # what the draft engine does with them: timed
         if gpu_rows:                # DraftEngine._stage_hidden: async copies, one wait
