@@ -148,24 +148,20 @@ def test_chain_equals_the_reference_chain_across_updates(head_dir):
 
 
 def test_many_steps_after_a_catch_up(head_dir):
-    """A catch-up reads (lands, grows) a sequence's rows inside the step's inference
-    mode; the next FLUSH_AT one-token updates then land outside it (the H100's b32
-    shadow rows lost their draft to that at the 33rd step)."""
+    """A catch-up lands (and grows) a sequence's rows in the step's inference mode; the
+    next FLUSH_AT one-token updates land outside it (the H100's b32 shadow rows, s24)."""
     from common.row_buffer import FLUSH_AT
-    env = PRESETS["chain4"]
+    env, ref = PRESETS["chain4"], E.load_head(head_dir)
     prop = _proposer(head_dir, env, num_blocks=128)
-    ref = E.load_head(head_dir)
-    toks, rows = _inputs(11, 92 + FLUSH_AT + 4)
-    seen = 80                          # its rows double on landing: room for FLUSH_AT more
-    prop.update(3, toks[:seen], seen, [], rows[:seen])
+    n = 92 + FLUSH_AT + 4
+    toks, rows = _inputs(11, n)
+    prop.update(3, toks[:80], 80, [], rows[:80])     # rows double on landing: room to spare
     prop.propose([3])
-    prop.update(3, toks[:seen + 12], 12, [0], rows[seen:seen + 12])    # back from a rest
-    seen += 12
-    for _ in range(FLUSH_AT + 4):
+    prop.update(3, toks[:92], 12, [0], rows[80:92])                  # back from a rest
+    for seen in range(92, n):
         prop.propose([3])
         prop.update(3, toks[:seen + 1], 1, [0], rows[seen:seen + 1])
-        seen += 1
-    want = ref.draft_chain(torch.tensor([toks[:seen]]), rows[None, 1:seen], env.depth)
+    want = ref.draft_chain(torch.tensor([toks[:n]]), rows[None, 1:n], env.depth)
     assert prop.propose([3]).tokens[0].tolist() == want[0].tolist()
 
 
