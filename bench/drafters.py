@@ -149,6 +149,9 @@ def main() -> None:
                     help="an untimed run of this many tokens before each row's batch: graph "
                          "captures and the controller's first tries are one-offs a serving "
                          "process pays once, not in every 128 tokens")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="timed runs (odd) of each row at every batch, the median kept (batch 1: "
+                         "at least 3); one pass of a b32 plain step spreads by ±5 %%")
     ap.add_argument("--budget-s", type=float, default=1e9,
                     help="start no configuration after this many seconds")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -222,7 +225,8 @@ def plain_pass(addr: str, sets: dict, a: argparse.Namespace, url: str | None,
     res = {}
     for b, prompts in sets.items():
         r = throughput(addr, prompts, a.max_tokens, no_spec=True, metrics=url,
-                       reps=3 if b == 1 else 1, warmup=a.warmup_tokens, sampling=sampling(a))
+                       reps=max(a.reps, 3 if b == 1 else 1), warmup=a.warmup_tokens,
+                       sampling=sampling(a))
         res[str(b)] = {**{k: r[k] for k in ("tok_s", "step_ms", "verify_ms") if k in r},
                        "ids": r["ids"]}
         print(f"{label} b={b}: {r['tok_s']:.1f} tok/s", flush=True)
@@ -243,7 +247,7 @@ def run_config(method: str, envelope: str, mode: str, port: int, work: Path,
         for b, prompts in sets.items():
             before, bytes0, draft0 = fallback_counts(url), totals(url, HIDDEN), totals(durl, DRAFT)
             r = throughput(v.addr, prompts, a.max_tokens, no_spec=False, metrics=url,
-                           reps=3 if b == 1 else 1, warmup=a.warmup_tokens,
+                           reps=max(a.reps, 3 if b == 1 else 1), warmup=a.warmup_tokens,
                            sampling=sampling(a))
             rows[str(b)] = row(r, r.pop("ids"), plain[str(b)], before, fallback_counts(url))
             if url is not None:             # bytes of hidden states per drafted step
