@@ -59,13 +59,14 @@ def step_breakdown(before: dict, after: dict) -> dict[str, float]:
             out[k + "_ms"] = 1000 * (after[k][0] - before[k][0]) / (after[k][1] - before[k][1])
     if "step_ms" in out:
         out["rest_ms"] = out["step_ms"] - out.get("hop_ms", 0.0) - out.get("verify_ms", 0.0)
-    # the hop's tail: the share of hops longer than 1, 2 and 4 ms (a mean of 0.8 ms can
-    # be every hop near it, or a few stalls over a fast majority)
+    # the hop's tail: the share of hops longer than 1 .. 32 ms (a mean of 0.8 ms can be
+    # every hop near it, or a few stalls over a fast majority; at b32 a mean of 9 ms,
+    # every hop near it or a few that carried prompts' hidden states)
     b, a = before.get("hop_le", {}), after.get("hop_le", {})
     n = a.get(float("inf"), 0.0) - b.get(float("inf"), 0.0)
     if n > 0:
         out["hop_over_ms"] = {f"{le * 1000:g}": round(1 - (a[le] - b.get(le, 0.0)) / n, 4)
-                              for le in (0.001, 0.002, 0.004) if le in a}
+                              for le in (0.001, 0.002, 0.004, 0.008, 0.016, 0.032) if le in a}
     return out
 
 
