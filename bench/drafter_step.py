@@ -10,8 +10,9 @@ and a bonus; random tokens, so no scratch KV is kept) and time the proposer's st
 engine applies them: update_ms) and the whole ``propose`` (propose_ms covers both),
 its parts (KV moves, page reservation, the graph call = input staging + replay +
 output copies), the captured graph's replay alone (device time), and the same for
-a batch whose rows all sample (T 0.6, top-k 20, top-p 0.95, rejection q). At batch 1 and 32 a profiler table sums the replay's
-kernels by kind, so launch gaps = replay - kernel time. Random weights of the
+a batch whose rows all sample (T 0.6, top-k 20, top-p 0.95, rejection q). At batch
+1 and 32 a profiler table sums the replay's kernels by kind, so launch gaps =
+replay - kernel time. Random weights of the
 benchmark's shapes (bench/drafters.py makes the checkpoints); nothing here is a
 result for users. `--target-shape tiny --draft-shape tiny --device cpu` smoke-runs it.
 """

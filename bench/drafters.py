@@ -218,6 +218,11 @@ def main() -> None:
     print("total s:", round(time.monotonic() - t0))
 
 
+def reps(a: argparse.Namespace, b: int) -> int:
+    """Timed runs of a batch (the median is kept): --reps, and at least 3 at batch 1."""
+    return max(a.reps, 3 if b == 1 else 1)
+
+
 def plain_pass(addr: str, sets: dict, a: argparse.Namespace, url: str | None,
                label: str = "plain") -> dict:
     """Plain decode (no_speculation) at every batch: tok/s, the step and its forward (ms:
@@ -225,7 +230,7 @@ def plain_pass(addr: str, sets: dict, a: argparse.Namespace, url: str | None,
     res = {}
     for b, prompts in sets.items():
         r = throughput(addr, prompts, a.max_tokens, no_spec=True, metrics=url,
-                       reps=max(a.reps, 3 if b == 1 else 1), warmup=a.warmup_tokens,
+                       reps=reps(a, b), warmup=a.warmup_tokens,
                        sampling=sampling(a))
         res[str(b)] = {**{k: r[k] for k in ("tok_s", "step_ms", "verify_ms") if k in r},
                        "ids": r["ids"]}
@@ -247,7 +252,7 @@ def run_config(method: str, envelope: str, mode: str, port: int, work: Path,
         for b, prompts in sets.items():
             before, bytes0, draft0 = fallback_counts(url), totals(url, HIDDEN), totals(durl, DRAFT)
             r = throughput(v.addr, prompts, a.max_tokens, no_spec=False, metrics=url,
-                           reps=max(a.reps, 3 if b == 1 else 1), warmup=a.warmup_tokens,
+                           reps=reps(a, b), warmup=a.warmup_tokens,
                            sampling=sampling(a))
             rows[str(b)] = row(r, r.pop("ids"), plain[str(b)], before, fallback_counts(url))
             if url is not None:             # bytes of hidden states per drafted step

@@ -63,9 +63,9 @@ def greedy_chain(first: torch.Tensor, depth: int, ctx: torch.Tensor, table: torc
     """A chain of depth tokens (greedy, or sampled: forward chooses): first [B] (level
     1, at position ctx), then each level's token forward(fb) [B] after its parent, fb
     one token a row at slot and position ctx + level - 1 (after the committed units
-    and the chain's earlier levels). Returns tokens, parents [B, depth] int32 and chunk_pos [B, depth] (where
-    each node's KV sits after ctx; -1 for the last, never forwarded): what
-    ``expand`` returns for a chain."""
+    and the chain's earlier levels). Returns tokens, parents [B, depth] int32 and
+    chunk_pos [B, depth] (where each node's KV sits after ctx; -1 for the last, never
+    forwarded): what ``expand`` returns for a chain."""
     b, dev = first.shape[0], first.device
     tokens = [first]
     if depth > 1:    # every level's batch but its tokens, at once: [level, B] rows are views
