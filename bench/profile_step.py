@@ -126,14 +126,19 @@ def main() -> None:
     cublas_ops = SimpleNamespace(**{n: getattr(triton_ops, n) for n in KERNEL_NAMES})
     cublas_ops.linear, cublas_ops.linear_silu_mul = (
         reference.linear, lambda x, w: triton_ops.silu_mul(reference.linear(x, w)))
-    variants = {"cublas": (cublas_ops, False), "gemv": (triton_ops, False),
-                "gemv_pdl": (triton_ops, True)}
+    # gemv_pdl_capture: as a step runs beside a drafter of hidden states (the EAGLE-3
+    # head's layers): what capturing them costs a step
+    variants = {"cublas": (cublas_ops, False, ()), "gemv": (triton_ops, False, ()),
+                "gemv_pdl": (triton_ops, True, ()),
+                "gemv_pdl_capture": (triton_ops, True,
+                                     tuple(shapes.EAGLE3.get(a.shape, {}).get("aux", ())))}
     chain = torch.randint(0, model.spec.vocab_size, (1, 4), dtype=torch.int32)
     parents = torch.arange(-1, 3, dtype=torch.int32).unsqueeze(0)
     res["variants"] = {}
-    for label, (ops, pdl) in variants.items():
+    for label, (ops, pdl, capture) in variants.items():
         set_pdl(pdl)
         ver = Verifier(model, cache, ops)
+        ver.capture_layers = capture
         pages = [SeqPages()]
         roots, _ = ver.prefill(pages, [prompt])
         row = {}

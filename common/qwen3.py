@@ -43,11 +43,12 @@ class Qwen3Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
                 inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                ops: ModuleType) -> tuple[torch.Tensor, torch.Tensor]:
+                ops: ModuleType) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (or the embeddings), residual: the stream
-        before it (None at layer 0). Returns (this layer's MLP output, residual)."""
+        before it (None at layer 0). Returns (this layer's MLP output, residual, the
+        stream entering this layer: x + residual, as its first norm adds them)."""
         s, eps = self.spec, self.spec.rms_norm_eps
-        h, residual = ops.add_rms_norm(x, residual, self.input_norm, eps)
+        h, entering = ops.add_rms_norm(x, residual, self.input_norm, eps)
         qkv = ops.linear(h, self.qkv.weight, self.qkv.bias)
         q = ops.qk_norm_rope_write(qkv, self.q_norm, self.k_norm, fb.positions, inv_freq,
                                    k_cache, v_cache, fb.slots, s.num_heads, s.num_kv_heads, eps)
@@ -55,8 +56,9 @@ class Qwen3Layer(nn.Module):
                                         fb.cu_q, fb.chunk_parents, s.head_dim ** -0.5,
                                         fb.ancestors)
         h, residual = ops.add_rms_norm(ops.linear(attn.reshape(x.shape[0], self.q_size),
-                                                  self.o_proj.weight), residual, self.post_norm, eps)
-        return ops.linear(ops.linear_silu_mul(h, self.gate_up.weight), self.down.weight), residual
+                                                  self.o_proj.weight), entering, self.post_norm, eps)
+        return (ops.linear(ops.linear_silu_mul(h, self.gate_up.weight), self.down.weight),
+                residual, entering)
 
 
 def layer_tensors(take, src: str, dst: str, bias: bool = False) -> dict[str, torch.Tensor]:
@@ -137,12 +139,12 @@ class Qwen3Model(nn.Module):
         residual: torch.Tensor | None = None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
+            x, residual, entering = layer(x, residual, fb, self.inv_freq, cache.k[i],
+                                          cache.v[i], ops)
             if i in capture_layers:
-                captured[i] = x if residual is None else x + residual
-            x, residual = layer(x, residual, fb, self.inv_freq, cache.k[i], cache.v[i], ops)
-        if self.spec.num_layers in capture_layers:
-            captured[self.spec.num_layers] = x + residual
-        hidden, _ = ops.add_rms_norm(x, residual, self.norm, self.spec.rms_norm_eps)
+                captured[i] = entering
+        hidden, captured[self.spec.num_layers] = ops.add_rms_norm(x, residual, self.norm,
+                                                                  self.spec.rms_norm_eps)
         return hidden, [captured[i] for i in capture_layers]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -170,7 +170,7 @@ class DFlashHead(nn.Module):
         """The block queries of fb (chunk parents BLOCK) -> final-normed hidden [T, H]."""
         x, residual = self.embed(fb.input_ids), None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, fb, self.inv_freq, cache.k[i], cache.v[i], ops)
+            x, residual, _ = layer(x, residual, fb, self.inv_freq, cache.k[i], cache.v[i], ops)
         hidden, _ = ops.add_rms_norm(x, residual, self.norm, self.spec.layers.rms_norm_eps)
         return hidden
 

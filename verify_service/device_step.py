@@ -87,7 +87,9 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
     if not capture:
         return accepted, num, bonus
     feats = torch.cat(captured, -1).view(b, t, -1)                       # [B, T, C]
-    root = torch.zeros((b, 1), dtype=accepted.dtype, device=accepted.device)  # also when depth 0
+    if not depth:                                                        # the root alone
+        return accepted, num, bonus, feats[:, :1]
+    root = torch.zeros((b, 1), dtype=accepted.dtype, device=accepted.device)
     rows = torch.cat([root, accepted.clamp(min=0) + 1], 1)
     path = torch.gather(feats, 1, rows.long().unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
     return accepted, num, bonus, path
