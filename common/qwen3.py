@@ -55,8 +55,8 @@ class Qwen3Layer(nn.Module):
         attn = ops.paged_tree_attention(q, k_cache, v_cache, fb.block_tables, fb.context_lens,
                                         fb.cu_q, fb.chunk_parents, s.head_dim ** -0.5,
                                         fb.ancestors)
-        h, residual = ops.add_rms_norm(ops.linear(attn.reshape(x.shape[0], self.q_size),
-                                                  self.o_proj.weight), entering, self.post_norm, eps)
+        o = ops.linear(attn.reshape(x.shape[0], self.q_size), self.o_proj.weight)
+        h, residual = ops.add_rms_norm(o, entering, self.post_norm, eps)
         return (ops.linear(ops.linear_silu_mul(h, self.gate_up.weight), self.down.weight),
                 residual, entering)
 

@@ -119,6 +119,41 @@ def test_hidden_states_of_committed_tokens_travel_once(target_dir, rows_a_step, 
     torch.testing.assert_close(rows[1:], want, atol=1e-4, rtol=1e-4)
 
 
+def test_a_request_that_never_speculates_keeps_no_hidden_states(target_dir):
+    """Beside a speculating request, a no_speculation one is never sent to the draft
+    and holds no captured rows on the verify service; both outputs are exact."""
+    from inproc import greedy_reference
+    prompts = [[1, 5, 9, 13, 2, 7, 1, 5], [2, 6, 10, 14, 3, 8, 2, 6]]
+    refs = [greedy_reference(target_dir, p, 12) for p in prompts]
+    rec = RecordingDrafter(refs[0], len(prompts[0]))
+
+    async def go():
+        async with serving(target_dir, rec, step_deadline_ms=2000) as (vport, engine):
+            for _ in range(200):
+                if engine.link.ready:
+                    break
+                await asyncio.sleep(0.02)
+            async with AsyncTreespecClient(f"127.0.0.1:{vport}") as c:
+                held = []
+
+                async def plain():
+                    ids = []
+                    async for chunk in c.generate_stream(prompt_ids=prompts[1], max_tokens=12,
+                                                         ignore_eos=True, no_speculation=True):
+                        held.extend(s.hidden is not None for s in engine.running
+                                    if not s.speculative)
+                        ids += chunk.token_ids
+                    return ids
+                spec, ids = await asyncio.gather(
+                    c.generate(prompt_ids=prompts[0], max_tokens=12, ignore_eos=True), plain())
+            return spec, ids, held
+    spec, ids, held = asyncio.run(go())
+    assert spec.token_ids == refs[0] and ids == refs[1]
+    assert spec.stats["accepted_tokens"] > 0
+    assert held and not any(held), "the plain request kept captured rows"
+    assert len(rec.tokens) == 1, "the draft heard of the plain request"
+
+
 def test_hidden_buffer_appends_in_amortized_place():
     from common.row_buffer import RowBuffer
     first = torch.arange(6.0).view(3, 2)

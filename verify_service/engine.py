@@ -212,7 +212,7 @@ class VerifyEngine:
             self.verifier.prefill, [s.pages for s in batch], [list(s.tokens) for s in batch],
             [s.sampling for s in batch])
         for i, (seq, tok) in enumerate(zip(batch, firsts)):
-            seq.hidden = RowBuffer(feats[i]) if feats is not None else None
+            seq.hidden = RowBuffer(feats[i]) if feats is not None and seq.speculative else None
             seq.emit(seq.commit([tok]))
         self.observer.prefilled(batch, t0, time.time_ns())
         for seq in batch:
