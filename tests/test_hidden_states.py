@@ -56,9 +56,10 @@ class RecordingDrafter(pb_grpc.DrafterServicer):
 
 
 @asynccontextmanager
-async def serving(target_dir, drafter, **cfg):
+async def serving(target_dir, drafter, connect: bool = True, **cfg):
     """drafter served by a gRPC server, a verify service (in process) on it; yields the
-    verify's port and engine; everything stopped after."""
+    verify's port and engine (once connected to the draft, if connect); everything
+    stopped after."""
     from verify_service import server as verify_server
     from verify_service.config import VerifyConfig
     server, port = await start_server(
@@ -68,6 +69,10 @@ async def serving(target_dir, drafter, **cfg):
         model=str(target_dir), draft=f"127.0.0.1:{port}", device="cpu", block_size=4,
         num_blocks=128, speculation="always", **cfg))
     try:
+        for _ in range(200 if connect else 0):
+            if engine.link.ready:
+                break
+            await asyncio.sleep(0.02)
         yield vport, engine
     finally:
         await vs.stop(0.2)
@@ -89,10 +94,6 @@ def test_hidden_states_of_committed_tokens_travel_once(target_dir, rows_a_step, 
 
     async def go():
         async with serving(target_dir, rec, step_deadline_ms=2000) as (vport, engine):
-            for _ in range(200):
-                if engine.link.ready:
-                    break
-                await asyncio.sleep(0.02)
             if rows_a_step:
                 engine.link.sync.max_hidden_bytes = rows_a_step * len(LAYERS) * 64 * 4
             if catch_up:
@@ -129,10 +130,6 @@ def test_a_request_that_never_speculates_keeps_no_hidden_states(target_dir):
 
     async def go():
         async with serving(target_dir, rec, step_deadline_ms=2000) as (vport, engine):
-            for _ in range(200):
-                if engine.link.ready:
-                    break
-                await asyncio.sleep(0.02)
             async with AsyncTreespecClient(f"127.0.0.1:{vport}") as c:
                 held = []
 
@@ -221,7 +218,7 @@ def test_a_draft_whose_projection_disagrees_is_not_used(target_dir, caplog):
     rec = WrongProjection(ref, len(prompt))
 
     async def go():
-        async with serving(target_dir, rec, reconnect_s=0.1) as (vport, engine):
+        async with serving(target_dir, rec, False, reconnect_s=0.1) as (vport, engine):
             await asyncio.sleep(0.5)                   # several connect attempts
             async with AsyncTreespecClient(f"127.0.0.1:{vport}") as c:
                 out = await c.generate(prompt_ids=prompt, max_tokens=8, ignore_eos=True)
