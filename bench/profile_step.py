@@ -1,7 +1,8 @@
 """Where a plain decode step's time goes, on the GPU: wall step vs graph replay, for
-three variants of the same step (cuBLAS linears; the Triton GEMVs; the Triton GEMVs
-with programmatic dependent launch), the kernels inside it, and each projection's
-cuBLAS GEMV against the copy bandwidth.
+four variants of the same step (cuBLAS linears; the Triton GEMVs; the Triton GEMVs
+with programmatic dependent launch; the same capturing the EAGLE-3 head's target
+layers, as beside a drafter of hidden states), the kernels inside it, and each
+projection's cuBLAS GEMV against the copy bandwidth.
 
     python bench/profile_step.py --out DIR [--shape qwen3-8b] [--ctx 1024]
 
@@ -126,8 +127,6 @@ def main() -> None:
     cublas_ops = SimpleNamespace(**{n: getattr(triton_ops, n) for n in KERNEL_NAMES})
     cublas_ops.linear, cublas_ops.linear_silu_mul = (
         reference.linear, lambda x, w: triton_ops.silu_mul(reference.linear(x, w)))
-    # gemv_pdl_capture: as a step runs beside a drafter of hidden states (the EAGLE-3
-    # head's layers): what capturing them costs a step
     variants = {"cublas": (cublas_ops, False, ()), "gemv": (triton_ops, False, ()),
                 "gemv_pdl": (triton_ops, True, ()),
                 "gemv_pdl_capture": (triton_ops, True,
