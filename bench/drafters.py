@@ -152,6 +152,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1,
                     help="timed runs (odd) of each row at every batch, the median kept (batch 1: "
                          "at least 3); one pass of a b32 plain step spreads by ±5 %%")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="then N turns of a plain run (no_speculation, the same services) "
+                         "and the row's, back to back, at every batch: over_plain_paired is "
+                         "the median turn's ratio, free of the drift between passes minutes "
+                         "apart")
     ap.add_argument("--budget-s", type=float, default=1e9,
                     help="start no configuration after this many seconds")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -264,14 +269,28 @@ def run_config(method: str, envelope: str, mode: str, port: int, work: Path,
                 rows[str(b)]["draft_engine_ms"] = 1000 * got[DRAFT[0]] / n
                 rows[str(b)]["draft_propose_ms"] = 1000 * got[DRAFT[2]] / n
             x = rows[str(b)]
-            print(f"{method}:{envelope}:{mode} b={b}: {x['tok_s']:.1f} tok/s "
-                  f"({x['over_plain']:.2f} x), step {x.get('step_ms', 0):.2f} ms, draft "
-                  f"{x.get('hop_draft_ms', 0):.2f} ms, fallbacks {x['fallbacks']}, "
-                  f"lossless {x['lossless']}", flush=True)
+            if a.pairs:
+                x["over_plain_paired"] = paired(v.addr, prompts, a)
+            print(f"{method}:{envelope}:{mode}{'' if mode == 'random' else f'@{accept}'} "
+                  f"b={b}: {x['tok_s']:.1f} tok/s ({x['over_plain']:.2f} x), step "
+                  f"{x.get('step_ms', 0):.2f} ms, draft {x.get('hop_draft_ms', 0):.2f} ms, "
+                  f"fallbacks {x['fallbacks']}, lossless {x['lossless']}"
+                  + (f", paired {x['over_plain_paired']:.3f} x" if a.pairs else ""), flush=True)
     finally:
         d.stop()
         (work / f"{method}-{envelope}-{mode}.log").write_text(d.output())
     return rows
+
+
+def paired(addr: str, prompts: list[list[int]], a: argparse.Namespace) -> float:
+    """The median over a.pairs turns of the row's tok/s over plain's, each turn one run
+    of plain decode then one of the row, back to back (both warm already)."""
+    ratios = []
+    for _ in range(a.pairs):
+        p, r = (throughput(addr, prompts, a.max_tokens, no_spec=plain, warmup=0,
+                           sampling=sampling(a))["tok_s"] for plain in (True, False))
+        ratios.append(r / p)
+    return sorted(ratios)[len(ratios) // 2]
 
 
 def strip(res: dict) -> dict:

@@ -37,7 +37,7 @@ def verify_argv(model: str, device: str, draft: str | None, max_batch: int,
 async def _batch(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: bool,
                  reps: int, mark, warmup: int = 8, sampling: dict | None = None
                  ) -> list[tuple[float, list[dict], list[list[int]]]]:
-    """reps timed runs of the batch after one warm-up of warmup tokens; mark() before
+    """reps timed runs of the batch after one warm-up of warmup tokens (0: none); mark() before
     each and after the last. sampling: the requests' sampling fields, prompt i seeded i."""
     runs = []
 
@@ -46,10 +46,11 @@ async def _batch(addr: str, prompts: list[list[int]], max_tokens: int, no_spec: 
 
     async with AsyncTreespecClient(addr, timeout=600) as c:
         await c.wait_ready(600)
-        # warm-up: captures this batch bucket's graphs
-        await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=warmup, ignore_eos=True,
-                                          no_speculation=no_spec, **args(i))
-                               for i, p in enumerate(prompts)])
+        if warmup:          # captures this batch bucket's graphs
+            await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=warmup,
+                                              ignore_eos=True, no_speculation=no_spec,
+                                              **args(i))
+                                   for i, p in enumerate(prompts)])
         for _ in range(reps):
             mark()
             t0 = time.perf_counter()

@@ -37,6 +37,7 @@ def bench_argv(name: str, d: Path) -> tuple[list[str], dict[str, str] | None]:
         # the other runs beside it, a CPU step can pass the served 100 ms default
         return script + ["--ctx", "24", "--max-tokens", "9", "--batches", "1",
                          "--configs", "eagle3:chain4", "--modes", "random,shadow,shadowraw",
+                         "--pairs", "1",
                          "--verify-args=--speculation always --step-deadline-ms 5000"], None
     assert name == "bench-accept"
     return cli_command("bench-accept", "--methods", "ngram,model", "--envelopes", "chain4",
@@ -130,6 +131,7 @@ def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(benches):
     for rows in r["rows"].values():
         assert rows["1"]["over_plain"] == pytest.approx(
             2 * rows["1"]["tok_s"] / (r["plain"]["1"]["tok_s"] + again["tok_s"]))
+        assert rows["1"]["over_plain_paired"] > 0      # a turn of plain and the row
     rand, shadow = r["rows"]["eagle3:chain4:random"]["1"], r["rows"]["eagle3:chain4:shadow"]["1"]
     raw = r["rows"]["eagle3:chain4:shadowraw"]["1"]
     assert rand["lossless"] and shadow["lossless"] and raw["lossless"]
