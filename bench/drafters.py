@@ -201,7 +201,7 @@ def main() -> None:
                     res.setdefault("skipped", []).append(key)
                     continue
                 try:
-                    res["rows"][key] = run_config(method, envelope, mode, port, work, a,
+                    res["rows"][key] = run_config(key, method, envelope, mode, port, work, a,
                                                   v, url, sets, res["plain"], cont, accept)
                 except Exception as e:    # one broken configuration must not cost the rest
                     res["errors"][key] = f"{type(e).__name__}: {e}"
@@ -243,7 +243,7 @@ def plain_pass(addr: str, sets: dict, a: argparse.Namespace, url: str | None,
     return res
 
 
-def run_config(method: str, envelope: str, mode: str, port: int, work: Path,
+def run_config(key: str, method: str, envelope: str, mode: str, port: int, work: Path,
                a: argparse.Namespace, v, url: str | None, sets: dict, plain: dict,
                cont: Path, accept: int) -> dict:
     proposer = method if mode == "random" else f"shadow-replay-instrument:{method}"
@@ -271,8 +271,7 @@ def run_config(method: str, envelope: str, mode: str, port: int, work: Path,
             x = rows[str(b)]
             if a.pairs:
                 x["over_plain_paired"] = paired(v.addr, prompts, a)
-            print(f"{method}:{envelope}:{mode}{'' if mode == 'random' else f'@{accept}'} "
-                  f"b={b}: {x['tok_s']:.1f} tok/s ({x['over_plain']:.2f} x), step "
+            print(f"{key} b={b}: {x['tok_s']:.1f} tok/s ({x['over_plain']:.2f} x), step "
                   f"{x.get('step_ms', 0):.2f} ms, draft {x.get('hop_draft_ms', 0):.2f} ms, "
                   f"fallbacks {x['fallbacks']}, lossless {x['lossless']}"
                   + (f", paired {x['over_plain_paired']:.3f} x" if a.pairs else ""), flush=True)
