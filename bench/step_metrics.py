@@ -15,6 +15,9 @@ STEP_PARTS = {"step": "treespec:step_seconds", "hop": "treespec:draft_hop_second
               **{f"hop_{p}": f"{HOP_PART}|{p}" for p in HOP_PARTS},
               "verify": "treespec:verify_forward_seconds",
               "prefill": "treespec:prefill_seconds"}     # per admission, not per step
+# histograms read by bucket (cumulative counts by bound): the hop's, and the controller's
+# depth per step (how many steps it ran plain and at each budget)
+BUCKETED = {"hop_le": STEP_PARTS["hop"], "budget_le": "treespec:spec_budget_depth"}
 
 
 def metrics_url(svc: ServiceProcess) -> str | None:
@@ -25,29 +28,30 @@ def metrics_url(svc: ServiceProcess) -> str | None:
 
 def step_sums(url: str | None) -> dict:
     """(sum seconds, count) of the verify service's per-step histograms, by STEP_PARTS
-    key, and under "hop_le" the hop histogram's cumulative counts by bucket bound."""
+    key, and under each BUCKETED key that histogram's cumulative counts by bound."""
     if url is None:
         return {}
     from prometheus_client.parser import text_string_to_metric_families
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
     got: dict[str, float] = {}
-    hop_le: dict[float, float] = {}           # the hop histogram, cumulative by bound
+    les: dict[str, dict[float, float]] = {k: {} for k in BUCKETED}
     for fam in text_string_to_metric_families(text):
         for smp in fam.samples:
             part = smp.labels.get("part")
             name = smp.name if part is None else f"{smp.name}|{part}"
             got[name] = got.get(name, 0.0) + smp.value
-            if smp.name == STEP_PARTS["hop"] + "_bucket":
-                le = float(smp.labels["le"])
-                hop_le[le] = hop_le.get(le, 0.0) + smp.value
+            for k, hist in BUCKETED.items():
+                if smp.name == hist + "_bucket":
+                    le = float(smp.labels["le"])
+                    les[k][le] = les[k].get(le, 0.0) + smp.value
 
     def series(name: str, suffix: str) -> float:        # "metric|part" -> "metric_sum|part"
         base, _, part = name.partition("|")
         return got.get(base + suffix + (f"|{part}" if part else ""), 0.0)
 
     return {**{k: (series(n, "_sum"), series(n, "_count")) for k, n in STEP_PARTS.items()},
-            "hop_le": hop_le}
+            **les}
 
 
 def step_breakdown(before: dict, after: dict) -> dict[str, float]:
@@ -67,6 +71,14 @@ def step_breakdown(before: dict, after: dict) -> dict[str, float]:
     if n > 0:
         out["hop_over_ms"] = {f"{le * 1000:g}": round(1 - (a[le] - b.get(le, 0.0)) / n, 4)
                               for le in (0.001, 0.002, 0.004, 0.008, 0.016, 0.032) if le in a}
+    # steps at each depth the controller chose (0: plain): whether it settled or switched
+    b, a = before.get("budget_le", {}), after.get("budget_le", {})
+    below = 0.0
+    for le in sorted(x for x in a if x != float("inf")):
+        n = a[le] - b.get(le, 0.0)
+        if n > below:
+            out.setdefault("budget_steps", {})[f"{le:g}"] = n - below
+        below = n
     return out
 
 
