@@ -94,6 +94,55 @@ def test_hostile_draft_never_changes_output(target_dir):
     assert fallbacks.get("deadline", 0) + fallbacks.get("busy", 0) > 0
 
 
+class SlowDrafter(pb_grpc.DrafterServicer):
+    """Valid trees, each a while after the verify's deadline."""
+
+    async def GetInfo(self, request, context):
+        return drafter_info_to_pb(DrafterInfo(ENV, 96, "slow"))
+
+    async def Speculate(self, request_iterator, context):
+        async for req in request_iterator:
+            await asyncio.sleep(0.04)
+            b = len(req.sequences)
+            yield pb.Proposal(step_id=req.step_id, seq_ids=[s.seq_id for s in req.sequences],
+                              tokens=codec.encode(torch.ones((b, ENV.num_nodes), dtype=torch.int32)),
+                              parents=codec.encode(torch.tensor([[-1, -1, 0, 1, 2, 3, 4, 5]] * b,
+                                                                dtype=torch.int32)))
+
+
+def test_a_draft_too_slow_for_the_deadline_is_rested_not_asked_every_step(target_dir):
+    """Each step that waits for a draft past its deadline commits one token for the
+    wait; the controller counts such a step as a try that accepted nothing, so the
+    sequence rests (plain, not asked) instead of waiting again every other step."""
+    async def go():
+        server, port = await start_server(
+            "127.0.0.1", 0, lambda s: pb_grpc.add_DrafterServicer_to_server(SlowDrafter(), s),
+            ["treespec.v1.Drafter"])
+        try:
+            from verify_service import server as verify_server
+            from verify_service.config import VerifyConfig
+            vs, vport, engine = await verify_server.start(VerifyConfig(
+                model=str(target_dir), draft=f"127.0.0.1:{port}", device="cpu",
+                step_deadline_ms=30, block_size=4, num_blocks=256))
+            for _ in range(200):
+                if engine.link.ready:
+                    break
+                await asyncio.sleep(0.02)
+            async with AsyncTreespecClient(f"127.0.0.1:{vport}") as c:
+                out = await c.generate(prompt_ids=PROMPT, max_tokens=64, ignore_eos=True)
+            fallbacks = dict(engine.fallbacks)
+            await vs.stop(0.2)
+            await engine.stop()
+            await engine.link.close()
+            return out, fallbacks
+        finally:
+            await server.stop(0.2)
+    out, fallbacks = asyncio.run(go())
+    assert out.token_ids == greedy_reference(target_dir, PROMPT, 64)
+    assert 0 < fallbacks.get("deadline", 0) <= 6, fallbacks     # 10-11 asked again every time
+    assert fallbacks.get("off_by_controller", 0) >= 40, fallbacks
+
+
 def test_draft_killed_mid_generation(target_dir, draft_dir):
     draft = ServiceProcess("draft", cli_command("draft", "--method", "model", "--model",
                                                 str(draft_dir), "--envelope", "chain4",

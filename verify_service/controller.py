@@ -15,7 +15,9 @@ depth d says nothing past d, so an unused depth drifts back to the prior, or to 
 rate of the depth above where that is higher, and is tried again), shrunk toward the
 batch's rates while a sequence has few steps.
 cost(d, b) is the measured wall time of whole steps (draft, hop, verify, commit)
-at batch bucket b, a running average per (d, b) that leaves out steps that captured
+at batch bucket b, a running average per (d, b) from the lower of its first two steps
+on (a first step can be slow for reasons of its own, and a shape costed dear on one
+step is never chosen to be measured again) that leaves out steps that captured
 a graph or where the draft caught up with a sequence (new, or back from a rest); a
 shape not measured at b borrows its ratio to plain decode from the nearest bucket
 that has both (1.05, optimistic, when none has), and plain decode is measured at a
@@ -56,6 +58,8 @@ MAX_RETRY = 256            # the longest rest the doubling reaches
 RETRY_SHARE = 0.02         # what tries (their catch-ups) may cost of the plain steps between
 MAX_REST = 4096            # the longest rest the catch-ups' cost sets
 PLAIN_AFTER = 4            # speculating steps at a bucket before plain decode is measured
+SETTLE_DRIFT = 1.05        # how far plain's measured step may rise before a batch plain won
+                           # for is weighed again (the one input that moves while it runs)
 MAX_STEPS = 1 << 62
 
 
@@ -150,15 +154,17 @@ class Controller:
         self.env: TreeEnvelope | None = None
         self.batch = self.seqs = None       # Counts: of the batch (one row), per sequence
         self._cost: dict[tuple[int, int], float] = {}
+        self._first: dict[tuple[int, int], float] = {}     # a shape's one step so far
         self._catch_up: dict[int, float] = {}       # per bucket: what a catch-up adds, s
         self._fresh: dict[int, float] = {}          # ... taking in new prompts, s
         self._spec_steps: dict[int, int] = {}       # speculating steps measured per bucket
         self.steps = 0
         self._plain_run, self._retry = 0, 16
         # a batch (bucket, its rows' ids) for which plain decode won: it stands, without
-        # weighing again, until a speculating step, a retry or a resting row's turn
+        # weighing again, until a speculating step, a retry, a resting row's turn or a
+        # rise in plain decode's measured cost
         self._settled: tuple | None = None
-        self._settled_until = 0
+        self._settled_until, self._settled_cost = 0, 0.0
 
     def _draft(self, info: DrafterInfo) -> None:
         if info is not self._info:      # a new handshake (another draft, perhaps): start over
@@ -166,6 +172,7 @@ class Controller:
             self.batch = Counts(self.env.depth, BATCH_DECAY)
             self.seqs = Counts(self.env.depth, SEQ_DECAY)
             self._cost.clear()
+            self._first.clear()
             self._catch_up.clear()
             self._fresh.clear()
             self._spec_steps.clear()
@@ -190,7 +197,8 @@ class Controller:
         ids = tuple(seq_ids[r] for r in rows)
         n = len(seq_ids)
         plain = Plan(0, [], list(rows), float(n), self._cost.get((0, b)))
-        if not forced and self._settled == (b, ids) and self.steps < self._settled_until:
+        if (not forced and self._settled == (b, ids) and self.steps < self._settled_until
+                and self._cost.get((0, b), 0.0) <= self._settled_cost * SETTLE_DRIFT):
             return plain                # nothing changed since plain won
         slots = self.seqs.slots(ids)
         due = np.ones(len(rows), bool) if forced else self.seqs.rest_until[slots] <= self.steps
@@ -212,7 +220,7 @@ class Controller:
     def _settle(self, plain: Plan, b: int, ids: tuple, slots: np.ndarray, due: np.ndarray
                 ) -> Plan:
         """Plain won for this batch: so it stays until a resting row's turn comes."""
-        self._settled = (b, ids)
+        self._settled, self._settled_cost = (b, ids), self._cost.get((0, b), 0.0)
         self._settled_until = int(self.seqs.rest_until[slots[~due]].min()) if not due.all() \
             else MAX_STEPS
         return plain
@@ -270,9 +278,14 @@ class Controller:
                 self._note(self._fresh if fresh else self._catch_up, b,
                            max(0.0, seconds - base))
         elif seconds is not None:
-            old = self._cost.get((plan.depth, b))
-            if old is None:
-                self._cost[(plan.depth, b)] = seconds
+            key = (plan.depth, b)
+            old = self._cost.get(key)
+            if old is None:             # measured from its second step on
+                first = self._first.pop(key, None)
+                if first is None:
+                    self._first[key] = seconds
+                else:
+                    self._cost[key] = min(first, seconds)
             else:                       # quick to fall, slow to rise past outliers
                 a = 0.3 if seconds < old else 0.1
                 self._cost[(plan.depth, b)] = old + a * (min(seconds, 3 * old) - old)

@@ -52,11 +52,9 @@ class VerifyEngine:
         self.cache = model.new_cache(num_blocks, block_size)
         self.verifier = Verifier(model, self.cache, select(model.device, kernels), True, max_batch)
         self.runner = StepRunner(self.verifier, busy_poll)
-        self.max_batch = max_batch
-        self.max_waiting = max_waiting
+        self.max_batch, self.max_waiting = max_batch, max_waiting
         self.max_model_len = max_model_len or model.spec.max_position
-        self.prefill_tokens = prefill_tokens
-        self.link = link
+        self.prefill_tokens, self.link = prefill_tokens, link
         self.controller = Controller(speculation)      # how much each step speculates
         self.sampling_defaults = sampling_defaults or {}   # for fields a request leaves unset
         self.observer: EngineObserver = observer or NullObserver()
@@ -282,10 +280,12 @@ class VerifyEngine:
                if i in asked else "off_by_controller" if i in resting else self._unasked(s)
                for i, s in enumerate(seqs) if s.speculative}
         done = self._commit(seqs, trees, res, why, index)
-        if drafted.fallback in (None, "off_by_controller"):
+        # waited for, nothing usable came (too slow for the deadline, or broken): 0 accepted
+        failed = drafted.fallback in ("deadline", "invalid_proposal")
+        if drafted.fallback in (None, "off_by_controller") or failed:
             self.controller.observe(
-                plan, [s.seq_id for s in seqs],
-                [-1 if i in syncing else len(res.accepted[i]) for i in plan.rows],
+                plan, [s.seq_id for s in seqs], [0 if failed else -1 if i in syncing
+                                                 else len(res.accepted[i]) for i in plan.rows],
                 bucket(len(seqs)), None if self.verifier.buckets.captures != captures or
                 drafted.catch_up and trees is None else (time.time_ns() - t0) * 1e-9,
                 drafted.catch_up, drafted.fresh)
