@@ -15,7 +15,7 @@ from common.launch import ServiceProcess, cli_command
 from common.tree import PRESETS
 from common.wire import drafter_info_to_pb
 from common.spec_types import DrafterInfo
-from inproc import greedy_reference, services
+from inproc import greedy_reference
 from protos.treespec.v1 import treespec_pb2 as pb
 from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
@@ -61,32 +61,38 @@ class HostileDrafter(pb_grpc.DrafterServicer):
             yield msg
 
 
+async def _against(target_dir, drafter, deadline_ms: float, prompts: list[list[int]],
+                   max_tokens: int):
+    """Both outputs and the verify's fallback counts, a verify service (adaptive) in
+    process against `drafter` served on loopback."""
+    server, port = await start_server(
+        "127.0.0.1", 0, lambda s: pb_grpc.add_DrafterServicer_to_server(drafter, s),
+        ["treespec.v1.Drafter"])
+    try:
+        from verify_service import server as verify_server
+        from verify_service.config import VerifyConfig
+        vs, vport, engine = await verify_server.start(VerifyConfig(
+            model=str(target_dir), draft=f"127.0.0.1:{port}", device="cpu",
+            step_deadline_ms=deadline_ms, block_size=4, num_blocks=256))
+        for _ in range(200):
+            if engine.link.ready:
+                break
+            await asyncio.sleep(0.02)
+        async with AsyncTreespecClient(f"127.0.0.1:{vport}") as c:
+            outs = await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=max_tokens,
+                                                     ignore_eos=True) for p in prompts])
+        fallbacks = dict(engine.fallbacks)
+        await vs.stop(0.2)
+        await engine.stop()
+        await engine.link.close()
+        return outs, fallbacks
+    finally:
+        await server.stop(0.2)
+
+
 def test_hostile_draft_never_changes_output(target_dir):
-    async def go():
-        server, port = await start_server(
-            "127.0.0.1", 0, lambda s: pb_grpc.add_DrafterServicer_to_server(HostileDrafter(96), s),
-            ["treespec.v1.Drafter"])
-        try:
-            from verify_service import server as verify_server
-            from verify_service.config import VerifyConfig
-            vs, vport, engine = await verify_server.start(VerifyConfig(
-                model=str(target_dir), draft=f"127.0.0.1:{port}", device="cpu",
-                step_deadline_ms=100, block_size=4, num_blocks=256))
-            for _ in range(200):
-                if engine.link.ready:
-                    break
-                await asyncio.sleep(0.02)
-            async with AsyncTreespecClient(f"127.0.0.1:{vport}") as c:
-                outs = await asyncio.gather(*[c.generate(prompt_ids=PROMPT[i:], max_tokens=30,
-                                                         ignore_eos=True) for i in range(3)])
-            fallbacks = dict(engine.fallbacks)
-            await vs.stop(0.2)
-            await engine.stop()
-            await engine.link.close()
-            return outs, fallbacks
-        finally:
-            await server.stop(0.2)
-    outs, fallbacks = asyncio.run(go())
+    outs, fallbacks = asyncio.run(_against(target_dir, HostileDrafter(96), 100,
+                                           [PROMPT[i:] for i in range(3)], 30))
     for i, out in enumerate(outs):
         assert out.token_ids == greedy_reference(target_dir, PROMPT[i:], 30)
         assert out.stats["fallback_steps"] > 0
@@ -114,30 +120,7 @@ def test_a_draft_too_slow_for_the_deadline_is_rested_not_asked_every_step(target
     """Each step that waits for a draft past its deadline commits one token for the
     wait; the controller counts such a step as a try that accepted nothing, so the
     sequence rests (plain, not asked) instead of waiting again every other step."""
-    async def go():
-        server, port = await start_server(
-            "127.0.0.1", 0, lambda s: pb_grpc.add_DrafterServicer_to_server(SlowDrafter(), s),
-            ["treespec.v1.Drafter"])
-        try:
-            from verify_service import server as verify_server
-            from verify_service.config import VerifyConfig
-            vs, vport, engine = await verify_server.start(VerifyConfig(
-                model=str(target_dir), draft=f"127.0.0.1:{port}", device="cpu",
-                step_deadline_ms=30, block_size=4, num_blocks=256))
-            for _ in range(200):
-                if engine.link.ready:
-                    break
-                await asyncio.sleep(0.02)
-            async with AsyncTreespecClient(f"127.0.0.1:{vport}") as c:
-                out = await c.generate(prompt_ids=PROMPT, max_tokens=64, ignore_eos=True)
-            fallbacks = dict(engine.fallbacks)
-            await vs.stop(0.2)
-            await engine.stop()
-            await engine.link.close()
-            return out, fallbacks
-        finally:
-            await server.stop(0.2)
-    out, fallbacks = asyncio.run(go())
+    (out,), fallbacks = asyncio.run(_against(target_dir, SlowDrafter(), 30, [PROMPT], 64))
     assert out.token_ids == greedy_reference(target_dir, PROMPT, 64)
     assert 0 < fallbacks.get("deadline", 0) <= 6, fallbacks     # 10-11 asked again every time
     assert fallbacks.get("off_by_controller", 0) >= 40, fallbacks
