@@ -219,7 +219,8 @@ class Controller:
 
     def _settle(self, plain: Plan, b: int, ids: tuple, slots: np.ndarray, due: np.ndarray
                 ) -> Plan:
-        """Plain won for this batch: so it stays until a resting row's turn comes."""
+        """Plain won for this batch: so it stays until a resting row's turn comes, or
+        plain decode's measured step rises past SETTLE_DRIFT of what it is now."""
         self._settled, self._settled_cost = (b, ids), self._cost.get((0, b), 0.0)
         self._settled_until = int(self.seqs.rest_until[slots[~due]].min()) if not due.all() \
             else MAX_STEPS
