@@ -270,7 +270,8 @@ def run_config(key: str, method: str, envelope: str, mode: str, port: int, work:
                 rows[str(b)]["draft_propose_ms"] = 1000 * got[DRAFT[2]] / n
             x = rows[str(b)]
             if a.pairs:
-                x["over_plain_paired"] = paired(v.addr, prompts, a)
+                x["paired_turns"] = paired(v.addr, prompts, a)
+                x["over_plain_paired"] = sorted(x["paired_turns"])[a.pairs // 2]
             print(f"{key} b={b}: {x['tok_s']:.1f} tok/s ({x['over_plain']:.2f} x), step "
                   f"{x.get('step_ms', 0):.2f} ms, draft {x.get('hop_draft_ms', 0):.2f} ms, "
                   f"fallbacks {x['fallbacks']}, lossless {x['lossless']}"
@@ -281,15 +282,16 @@ def run_config(key: str, method: str, envelope: str, mode: str, port: int, work:
     return rows
 
 
-def paired(addr: str, prompts: list[list[int]], a: argparse.Namespace) -> float:
-    """The median over a.pairs turns of the row's tok/s over plain's, each turn one run
-    of plain decode then one of the row, back to back (both warm already)."""
+def paired(addr: str, prompts: list[list[int]], a: argparse.Namespace) -> list[float]:
+    """Each of a.pairs turns' tok/s of the row over plain's, a turn one run of plain
+    decode then one of the row, back to back (both warm already): their spread is the
+    noise a judgement of the median is inside."""
     ratios = []
     for _ in range(a.pairs):
         p, r = (throughput(addr, prompts, a.max_tokens, no_spec=plain, warmup=0,
                            sampling=sampling(a))["tok_s"] for plain in (True, False))
         ratios.append(r / p)
-    return sorted(ratios)[len(ratios) // 2]
+    return ratios
 
 
 def strip(res: dict) -> dict:
