@@ -110,10 +110,10 @@ class SlowDrafter(pb_grpc.DrafterServicer):
         async for req in request_iterator:
             await asyncio.sleep(0.04)
             b = len(req.sequences)
+            tokens = torch.ones((b, ENV.num_nodes), dtype=torch.int32)
+            parents = torch.tensor([[-1, -1, 0, 1, 2, 3, 4, 5]] * b, dtype=torch.int32)
             yield pb.Proposal(step_id=req.step_id, seq_ids=[s.seq_id for s in req.sequences],
-                              tokens=codec.encode(torch.ones((b, ENV.num_nodes), dtype=torch.int32)),
-                              parents=codec.encode(torch.tensor([[-1, -1, 0, 1, 2, 3, 4, 5]] * b,
-                                                                dtype=torch.int32)))
+                              tokens=codec.encode(tokens), parents=codec.encode(parents))
 
 
 def test_a_draft_too_slow_for_the_deadline_is_rested_not_asked_every_step(target_dir):
