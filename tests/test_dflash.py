@@ -196,7 +196,7 @@ def test_speculative_greedy_equals_plain_greedy(dflash_dir, target4, envelope, d
                                                 cut):
     """cut: the budgets cycle through depths 1, 2, the block's and plain (the controller
     test's double), so the draft's shallower graphs serve too."""
-    from test_controller import Cycling
+    from test_budget_lossless import Cycling
 
     async def go():
         async with services(target4, "dflash", dflash_dir, envelope, draft_socket=draft_socket,
