@@ -270,7 +270,7 @@ def run_config(key: str, method: str, envelope: str, mode: str, port: int, work:
                 rows[str(b)]["draft_propose_ms"] = 1000 * got[DRAFT[2]] / n
             x = rows[str(b)]
             if a.pairs:
-                x["paired_turns"] = paired(v.addr, prompts, a)
+                x["paired_turns"], x["paired_plain_tok_s"] = paired(v.addr, prompts, a)
                 x["over_plain_paired"] = sorted(x["paired_turns"])[a.pairs // 2]
             print(f"{key} b={b}: {x['tok_s']:.1f} tok/s ({x['over_plain']:.2f} x), step "
                   f"{x.get('step_ms', 0):.2f} ms, draft {x.get('hop_draft_ms', 0):.2f} ms, "
@@ -282,16 +282,19 @@ def run_config(key: str, method: str, envelope: str, mode: str, port: int, work:
     return rows
 
 
-def paired(addr: str, prompts: list[list[int]], a: argparse.Namespace) -> list[float]:
+def paired(addr: str, prompts: list[list[int]], a: argparse.Namespace
+           ) -> tuple[list[float], list[float]]:
     """Each of a.pairs turns' tok/s of the row over plain's, a turn one run of plain
     decode then one of the row, back to back (both warm already): their spread is the
-    noise a judgement of the median is inside."""
-    ratios = []
+    noise a judgement of the median is inside; and each turn's plain tok/s, plain decode
+    with the row's draft attached, to set beside the plain passes without one."""
+    ratios, plains = [], []
     for _ in range(a.pairs):
         p, r = (throughput(addr, prompts, a.max_tokens, no_spec=plain, warmup=0,
                            sampling=sampling(a))["tok_s"] for plain in (True, False))
         ratios.append(r / p)
-    return ratios
+        plains.append(p)
+    return ratios, plains
 
 
 def strip(res: dict) -> dict:
