@@ -40,6 +40,7 @@ treespec's own (vLLM has none of these):
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -162,17 +163,18 @@ class VerifyMetrics(EngineObserver):
         self.rest_floor.set(r.rest_floor)
         self.sequence_steps.inc(len(r.seq_ids))
         self.generation_tokens.inc(sum(r.committed))
-        for drafted, accepted, fallback in zip(r.drafted, r.accepted, r.fallback):
-            if fallback is not None:
-                self._fallback.labels(self.model_name, fallback).inc()
-            if drafted == 0:
-                continue
-            self.num_drafts.inc()
-            self.num_draft_tokens.inc(drafted)
-            self.num_accepted.inc(accepted)
-            self.accepted_length.observe(accepted)
-            for p in range(accepted):
-                self._position(p).inc()
+        for fallback, n in Tally(r.fallback).items():      # one labels() per reason, not
+            if fallback is not None:                        # per sequence (64 at b64)
+                self._fallback.labels(self.model_name, fallback).inc(n)
+        got = [a for d, a in zip(r.drafted, r.accepted) if d]   # each sum once a step
+        if got:
+            self.num_drafts.inc(len(got))
+            self.num_draft_tokens.inc(sum(r.drafted))
+            self.num_accepted.inc(sum(got))
+            for a in got:
+                self.accepted_length.observe(a)
+            for p in range(max(got)):
+                self._position(p).inc(sum(a > p for a in got))
         if r.envelope is not None and len(self._pos) < r.envelope.depth:
             self._position(r.envelope.depth - 1)   # show every position from the start
 
