@@ -131,7 +131,7 @@ def test_tries_that_make_the_draft_catch_up_are_spaced_by_their_cost(batch, unwa
                                                                       monkeypatch):
     """A draft that accepts nothing and must catch up (20 plain steps' time) at every
     try, waited for or sent without waiting (then the steps beside it pay: a shared
-    GPU): tries after 8, 16, 32 ... plain steps cost more than the 2 % rule allows (the
+    GPU): tries after 8, 16, 32 ... plain steps cost more than the 1 % rule allows (the
     b1 random drafter rows: 0.90 x plain); spaced by their measured cost, the batch runs
     at >= 0.97 x plain. The positive control: without the floor it runs below that."""
     import verify_service.controller as c

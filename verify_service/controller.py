@@ -55,7 +55,8 @@ BATCH_DECAY, SEQ_DECAY = 0.95, 0.95      # per step
 PRIOR_RATE, PRIOR_WEIGHT, SEQ_WEIGHT = 0.5, 1.0, 1.0
 UNKNOWN_RATIO = 1.05       # a shape's cost over plain decode's before it is measured
 MAX_RETRY = 256            # the longest rest the doubling reaches
-RETRY_SHARE = 0.02         # what tries (their catch-ups) may cost of the plain steps between
+RETRY_SHARE = 0.01         # what tries (their catch-ups) may cost of the plain steps between
+                           # (a third of the 3 % that "never slower than plain" leaves)
 MAX_REST = 4096            # the longest rest the catch-ups' cost sets
 PLAIN_AFTER = 4            # speculating steps at a bucket before plain decode is measured
 SETTLE_DRIFT = 1.05        # how far plain's measured step may rise before a batch plain won
