@@ -223,3 +223,36 @@ def test_dflash_trains_against_an_existing_target_and_serves(trained, tmp_path):
     was, now = (load_file(str(d / "tiny-code-dflash" / "model.safetensors"))
                 for d in (tmp_path, again))
     assert was.keys() == now.keys() and all(torch.equal(was[k], now[k]) for k in was)
+
+
+def test_a_sigterm_ends_a_stage_after_its_step_so_the_run_still_saves():
+    """`timeout` sends SIGTERM: the stage returns what it trained instead of dying."""
+    import os
+    import signal
+    from bench.train_tiny.settings import StageSettings
+    from bench.train_tiny import train_loop
+    from bench.train_tiny.train_loop import run_stage
+    w = torch.nn.Parameter(torch.zeros(2, 2))
+
+    def reached_test(*_):
+        raise AssertionError("the SIGTERM reached past the stage")
+
+    before = signal.signal(signal.SIGTERM, reached_test)
+
+    def loss(step: int) -> torch.Tensor:
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return (w - 1).pow(2).sum()
+
+    try:
+        res = run_stage("t", [w], loss, StageSettings(50, 1, 1e-2, 1, 1.0), 60.0,
+                        torch.device("cpu"), 10)
+        assert signal.getsignal(signal.SIGTERM) is reached_test     # put back
+        later = run_stage("t2", [w], loss, StageSettings(50, 1, 1e-2, 1, 1.0), 60.0,
+                          torch.device("cpu"), 10)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        train_loop._TERM.clear()
+    assert res.steps_run == 4 and res.shrunk_to_budget
+    assert later.steps_run == 0                     # a later stage ends at once
+    assert float(w.detach().mean()) > 0            # it trained, and kept what it trained

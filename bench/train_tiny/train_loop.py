@@ -1,9 +1,14 @@
-"""One optimisation stage: AdamW, warmup + cosine, bf16 autocast on CUDA, a time budget."""
+"""One optimisation stage: AdamW, warmup + cosine, bf16 autocast on CUDA, a time budget.
+A SIGTERM (``timeout``'s) ends the stage after its current step, and any later stage at
+once, so what was trained is still saved (a device call's limit otherwise loses the
+whole run)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -13,6 +18,7 @@ import torch
 from bench.train_tiny.settings import StageSettings
 
 _MEASURE_FROM, _MEASURE_TO = 5, 25  # steps timed to project the stage's wall time
+_TERM: list[int] = []               # SIGTERMs received while a stage ran
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,9 @@ def run_stage(name: str, params: list[torch.nn.Parameter],
     t0 = time.perf_counter()
     t_measure = t0
     step = 0
-    while step < total:
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, lambda sig, _: _TERM.append(sig)) if main else None
+    while step < total and not _TERM:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, stage)
         with autocast(device):
@@ -109,5 +117,11 @@ def run_stage(name: str, params: list[torch.nn.Parameter],
         if evaluate is not None and (step == total or (eval_every and step % eval_every == 0)):
             with torch.no_grad():
                 print(f"[{name}] step {step} held-out {evaluate()}", flush=True)
+    if main:
+        signal.signal(signal.SIGTERM, before)
+    if _TERM:
+        print(f"[{name}] SIGTERM: stopping at step {step}", flush=True)
+        last_mean = float(window_sum) / window_n if window_n else last_mean
     _sync(device)
-    return StageResult(name, stage.steps, step, time.perf_counter() - t0, last_mean, shrunk)
+    return StageResult(name, stage.steps, step, time.perf_counter() - t0, last_mean,
+                       shrunk or bool(_TERM))
