@@ -290,7 +290,7 @@ class Controller:
                     self._cost[key] = min(first, seconds)
             else:                       # quick to fall, slow to rise past outliers
                 a = 0.3 if seconds < old else 0.1
-                self._cost[(plan.depth, b)] = old + a * (min(seconds, 3 * old) - old)
+                self._cost[key] = old + a * (min(seconds, 3 * old) - old)
 
     def _prior(self) -> np.ndarray:
         """The batch's rates: what a sequence's own few steps are shrunk toward."""
