@@ -82,7 +82,8 @@ async def _connected(addr: str, proposer: str, timeout: float = 600.0) -> None:
 
 def row(r: dict, ids: list[list[int]], plain: dict, before: dict, after: dict) -> dict:
     keep = ("tok_s", "tokens_per_step", "step_ms", "hop_ms", "hop_draft_ms", "verify_ms",
-            "prefill_ms", "fallback_steps", "tok_s_runs", "hop_over_ms", "budget_steps")
+            "prefill_ms", "fallback_steps", "tok_s_runs", "hop_over_ms", "verify_over_ms",
+            "budget_steps")
     return {**{k: r[k] for k in keep if k in r},
             "over_plain": r["tok_s"] / plain["tok_s"],
             "fallbacks": {k: v - before.get(k, 0.0) for k, v in after.items()
@@ -237,7 +238,8 @@ def plain_pass(addr: str, sets: dict, a: argparse.Namespace, url: str | None,
         r = throughput(addr, prompts, a.max_tokens, no_spec=True, metrics=url,
                        reps=reps(a, b), warmup=a.warmup_tokens,
                        sampling=sampling(a))
-        res[str(b)] = {**{k: r[k] for k in ("tok_s", "step_ms", "verify_ms") if k in r},
+        res[str(b)] = {**{k: r[k] for k in ("tok_s", "step_ms", "verify_ms", "verify_over_ms")
+                          if k in r},
                        "ids": r["ids"]}
         print(f"{label} b={b}: {r['tok_s']:.1f} tok/s", flush=True)
     return res
@@ -270,7 +272,7 @@ def run_config(key: str, method: str, envelope: str, mode: str, port: int, work:
                 rows[str(b)]["draft_propose_ms"] = 1000 * got[DRAFT[2]] / n
             x = rows[str(b)]
             if a.pairs:
-                x["paired_turns"], x["paired_plain_tok_s"] = paired(v.addr, prompts, a)
+                x["paired_turns"], x["paired_plain"] = paired(v.addr, prompts, a, url)
                 x["over_plain_paired"] = sorted(x["paired_turns"])[a.pairs // 2]
             print(f"{key} b={b}: {x['tok_s']:.1f} tok/s ({x['over_plain']:.2f} x), step "
                   f"{x.get('step_ms', 0):.2f} ms, draft {x.get('hop_draft_ms', 0):.2f} ms, "
@@ -282,18 +284,20 @@ def run_config(key: str, method: str, envelope: str, mode: str, port: int, work:
     return rows
 
 
-def paired(addr: str, prompts: list[list[int]], a: argparse.Namespace
-           ) -> tuple[list[float], list[float]]:
+def paired(addr: str, prompts: list[list[int]], a: argparse.Namespace, url: str | None
+           ) -> tuple[list[float], list[dict]]:
     """Each of a.pairs turns' tok/s of the row over plain's, a turn one run of plain
     decode then one of the row, back to back (both warm already): their spread is the
-    noise a judgement of the median is inside; and each turn's plain tok/s, plain decode
-    with the row's draft attached, to set beside the plain passes without one."""
+    noise a judgement of the median is inside; and each turn's plain run (tok/s, step and
+    forward ms), plain decode with the row's draft attached, to set beside the plain
+    passes without one."""
     ratios, plains = [], []
     for _ in range(a.pairs):
-        p, r = (throughput(addr, prompts, a.max_tokens, no_spec=plain, warmup=0,
-                           sampling=sampling(a))["tok_s"] for plain in (True, False))
-        ratios.append(r / p)
-        plains.append(p)
+        p, r = (throughput(addr, prompts, a.max_tokens, no_spec=plain, warmup=0, metrics=url,
+                           sampling=sampling(a)) for plain in (True, False))
+        ratios.append(r["tok_s"] / p["tok_s"])
+        plains.append({k: p[k] for k in ("tok_s", "step_ms", "verify_ms", "verify_over_ms")
+                       if k in p})
     return ratios, plains
 
 

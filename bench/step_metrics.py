@@ -15,9 +15,10 @@ STEP_PARTS = {"step": "treespec:step_seconds", "hop": "treespec:draft_hop_second
               **{f"hop_{p}": f"{HOP_PART}|{p}" for p in HOP_PARTS},
               "verify": "treespec:verify_forward_seconds",
               "prefill": "treespec:prefill_seconds"}     # per admission, not per step
-# histograms read by bucket (cumulative counts by bound): the hop's, and the controller's
-# depth per step (how many steps it ran plain and at each budget)
-BUCKETED = {"hop_le": STEP_PARTS["hop"], "budget_le": "treespec:spec_budget_depth"}
+# histograms read by bucket (cumulative counts by bound): the hop's, the forward's, and the
+# controller's depth per step (how many steps it ran plain and at each budget)
+BUCKETED = {"hop_le": STEP_PARTS["hop"], "verify_le": STEP_PARTS["verify"],
+            "budget_le": "treespec:spec_budget_depth"}
 
 
 def metrics_url(svc: ServiceProcess) -> str | None:
@@ -63,14 +64,17 @@ def step_breakdown(before: dict, after: dict) -> dict[str, float]:
             out[k + "_ms"] = 1000 * (after[k][0] - before[k][0]) / (after[k][1] - before[k][1])
     if "step_ms" in out:
         out["rest_ms"] = out["step_ms"] - out.get("hop_ms", 0.0) - out.get("verify_ms", 0.0)
-    # the hop's tail: the share of hops longer than 1 .. 32 ms (a mean of 0.8 ms can be
-    # every hop near it, or a few stalls over a fast majority; at b32 a mean of 9 ms,
-    # every hop near it or a few that carried prompts' hidden states)
-    b, a = before.get("hop_le", {}), after.get("hop_le", {})
-    n = a.get(float("inf"), 0.0) - b.get(float("inf"), 0.0)
-    if n > 0:
-        out["hop_over_ms"] = {f"{le * 1000:g}": round(1 - (a[le] - b.get(le, 0.0)) / n, 4)
-                              for le in (0.001, 0.002, 0.004, 0.008, 0.016, 0.032) if le in a}
+    # the tails: the share of hops longer than 1 .. 32 ms (a mean of 0.8 ms can be every
+    # hop near it, or a few stalls over a fast majority; at b32 a mean of 9 ms, every hop
+    # near it or a few that carried prompts' hidden states), and of forwards longer than
+    # 16 .. 128 ms (whether a row's forward is slower than plain's on every step or on a few)
+    for key, les in (("hop", (0.001, 0.002, 0.004, 0.008, 0.016, 0.032)),
+                     ("verify", (0.016, 0.032, 0.064, 0.128))):
+        b, a = before.get(key + "_le", {}), after.get(key + "_le", {})
+        n = a.get(float("inf"), 0.0) - b.get(float("inf"), 0.0)
+        if n > 0:
+            out[key + "_over_ms"] = {f"{le * 1000:g}": round(1 - (a[le] - b.get(le, 0.0)) / n, 4)
+                                     for le in les if le in a}
     # steps at each depth the controller chose (0: plain): whether it settled or switched
     b, a = before.get("budget_le", {}), after.get("budget_le", {})
     below = 0.0

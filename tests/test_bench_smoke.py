@@ -133,7 +133,9 @@ def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(benches):
             2 * rows["1"]["tok_s"] / (r["plain"]["1"]["tok_s"] + again["tok_s"]))
         assert rows["1"]["over_plain_paired"] > 0      # a turn of plain and the row
         assert rows["1"]["paired_turns"] == [rows["1"]["over_plain_paired"]]
-        assert rows["1"]["paired_plain_tok_s"][0] > 0
+        plain = rows["1"]["paired_plain"][0]      # that turn's plain run, draft attached
+        assert plain["tok_s"] > 0 and plain["step_ms"] >= plain["verify_ms"] > 0
+        assert list(plain["verify_over_ms"]) == ["16", "32", "64", "128"]
     rand, shadow = r["rows"]["eagle3:chain4:random"]["1"], r["rows"]["eagle3:chain4:shadow"]["1"]
     raw = r["rows"]["eagle3:chain4:shadowraw"]["1"]
     assert rand["lossless"] and shadow["lossless"] and raw["lossless"]
