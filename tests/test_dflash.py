@@ -93,7 +93,7 @@ def _oracle(path: Path, target: Path, tokens: list[int], feats: torch.Tensor) ->
     with torch.no_grad():
         logits = model(feats[None, :n], torch.tensor([[n]]), block[None],
                        tsd["model.embed_tokens.weight"], tsd["lm_head.weight"])
-    return logits[0, 0, 1:]
+    return logits[0, 0]
 
 
 def test_block_chain_equals_the_dense_forward(dflash_dir, target4):

@@ -83,7 +83,7 @@ class DFlashDrafter(nn.Module):
         k of row r sits at positions anchors[r, k] .. + S - 1 and sees the context before
         anchors[r, k] and its own S queries (training puts several blocks in one row);
         block [R, K, S] token ids; embed / lm_head [V, H] the target's -> logits
-        [R, K, S, V] (position 0's is unused)."""
+        [R, K, S - 1, V] of block positions 1 .. S - 1."""
         s = self.spec
         r, n, _ = feats.shape
         k_blocks, sl = block.shape[1:]
@@ -115,13 +115,14 @@ class DFlashDrafter(nn.Module):
             kv_in = torch.cat([c, h], 1)
             k = rot(a.k_norm(a.k_proj(kv_in).view(r, n + q_len, hkv, d)), slice(None))
             v = a.v_proj(kv_in).view(r, n + q_len, hkv, d)
+            # heads repeated (not enable_gqa), so that any CUDA kernel taking a mask may run it
             k, v = (t.repeat_interleave(hq // hkv, 2).transpose(1, 2) for t in (k, v))
-            w = torch.einsum("rhqd,rhkd->rhqk", q.transpose(1, 2).float(), k.float()) * d ** -0.5
-            w = w.masked_fill(~sees[:, None], float("-inf")).softmax(-1)
-            o = torch.einsum("rhqk,rhkd->rhqd", w, v.float()).to(x.dtype)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k, v, sees[:, None])                        # [R, h, Q, d]
             x = x + a.o_proj(o.transpose(1, 2).reshape(r, q_len, hq * d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return (self.norm(x) @ lm_head.T).view(r, k_blocks, sl, -1)
+        x = x.view(r, k_blocks, sl, -1)[:, :, 1:]      # position 0's logits are never used
+        return self.norm(x) @ lm_head.T
 
 
 def block_loss(model: DFlashDrafter, feats: torch.Tensor, tokens: torch.Tensor,
@@ -138,7 +139,7 @@ def block_loss(model: DFlashDrafter, feats: torch.Tensor, tokens: torch.Tensor,
     at = anchors.unsqueeze(-1) + torch.arange(sl, device=dev)                    # [R, K, S]
     truth = tokens.gather(1, at.view(r, -1)).view(r, blocks, sl)
     block = torch.cat([truth[..., :1], torch.full_like(truth[..., 1:], model.mask_token_id)], -1)
-    logits = model(feats, anchors, block, embed, lm_head)[:, :, 1:]             # [R, K, S-1, V]
+    logits = model(feats, anchors, block, embed, lm_head)                      # [R, K, S-1, V]
     ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 2),
                                            truth[..., 1:].flatten(), reduction="none")
     weight = torch.exp(-torch.arange(sl - 1, device=dev, dtype=torch.float32) / gamma)
@@ -159,7 +160,7 @@ def chain_acceptance(model: DFlashDrafter, feats: torch.Tensor, seqs: torch.Tens
     at = rows.unsqueeze(-1) + torch.arange(sl, device=seqs.device)
     truth = seqs.gather(1, at.reshape(n, -1)).view(n, len(anchors), sl)
     block = torch.cat([truth[..., :1], torch.full_like(truth[..., 1:], model.mask_token_id)], -1)
-    guess = model(feats, rows, block, embed, lm_head)[:, :, 1:].argmax(-1)
+    guess = model(feats, rows, block, embed, lm_head).argmax(-1)
     ok = (guess == truth[..., 1:]).long().cumprod(-1).sum(-1)
     return float(ok.float().mean()) + 1.0
 

@@ -67,14 +67,14 @@ def run_dflash(s: Settings) -> dict:
     probe = lm.greedy_continue(target, C.fixed_windows(held, s.eval_prompt_len,
                                                        s.eval_prompts).to(dev),
                                s.eval_new_tokens)
-    probe_feats = tap(probe)[1]
+    probe_feats = tap(probe, logits=False)[1]
 
     def loss(step: int) -> torch.Tensor:
         b = batches(step).to(dev)
         # a generated sequence's blocks lie in its continuation: serving drafts the
         # target's own tokens, not the text its prompt came from
         low = s.gen_prompt_len - 1 if batches.generated(step) else 1
-        return DF.block_loss(model, tap(b)[1], b, embed, head, s.dflash_anchors,
+        return DF.block_loss(model, tap(b, logits=False)[1], b, embed, head, s.dflash_anchors,
                              s.dflash_gamma, gen, low)
 
     def report() -> str:

@@ -33,12 +33,14 @@ class TargetTap:
         return grab
 
     @torch.no_grad()
-    def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, ids: torch.Tensor, logits: bool = True
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """logits=False: the features alone (the LM head over every position skipped)."""
         self._seen.clear()
-        logits = self.target(input_ids=ids).logits
+        out = self.target(input_ids=ids).logits if logits else self.target.model(input_ids=ids)
         feats = torch.cat([self._seen[i] for i in self.layer_ids], dim=-1)
         self._seen.clear()
-        return logits, feats
+        return out if logits else None, feats
 
 
 def eagle_loss(head: Eagle3Head, tap: TargetTap, batch: torch.Tensor, steps: int,
