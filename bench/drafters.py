@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import shapes  # noqa: E402
 from bench.e2e_bench import first_divergence, start, throughput  # noqa: E402
 from bench.step_metrics import fallback_counts, metrics_url, totals  # noqa: E402
+from common.bench_accept import envelope_args  # noqa: E402
 from common.client import AsyncTreespecClient  # noqa: E402
 from common.launch import cli_command  # noqa: E402
 
@@ -60,7 +61,7 @@ def draft_argv(method: str, envelope: str, mode: str, port: int, work: Path, tar
     model = {"ngram": [], "model": ["--model", str(work / "draft")],
              "eagle3": ["--model", str(work / "eagle3"), "--target-embeddings", str(target)],
              "dflash": ["--model", str(work / "dflash"), "--target-embeddings", str(target)]}
-    common = ["--envelope", envelope, "--port", str(port), "--num-blocks", str(pages),
+    common = [*envelope_args(envelope), "--port", str(port), "--num-blocks", str(pages),
               "--metrics-port", "0", *model[method]]
     if mode == "random":
         return cli_command("draft", "--method", method, "--device", device, *common)
@@ -140,8 +141,9 @@ def main() -> None:
     ap = shape_args(__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--configs", default=CONFIGS,
-                    help="proposer:envelope[:shadow accept[:mode]], comma-separated (a "
-                         "mode given runs that mode only; the key gains @accept)")
+                    help="proposer:envelope[:shadow accept[:mode]], comma-separated (the "
+                         "envelope a preset or DEPTHxTOPKxNODES; a mode given runs that mode "
+                         "only; the key gains @accept)")
     ap.add_argument("--modes", default="random,shadow")
     ap.add_argument("--shadow-accept", type=int, default=3,
                     help="draft tokens the shadow replay has accepted a step (3: 4 tokens a step)")

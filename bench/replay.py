@@ -14,7 +14,8 @@ expansion, everything it costs) and then replaces its tree with the replay's cha
 at a set tokens per step. Run either as its own draft service:
 
     python bench/replay.py --continuations FILE (--corrupt 0.15 | --accept 3) --port 0
-        [--depth 4 | --shadow model|eagle3 --model DIR [--envelope NAME]
+        [--depth 4 | --shadow model|eagle3 --model DIR [--envelope NAME | --depth D
+         --topk K --nodes N]
          [--target-embeddings DIR] [--device D]]
 
 FILE is JSON: a list of {"prompt": [ids], "continuation": [ids]}.
@@ -147,6 +148,9 @@ def main() -> None:
                     help="run this proposer's whole step, then replay (the shadow replay)")
     ap.add_argument("--model", help="--shadow's checkpoint")
     ap.add_argument("--envelope", default="chain4", help="--shadow's envelope")
+    ap.add_argument("--topk", type=int, help="--shadow's custom envelope, with --depth and "
+                    "--nodes (as `treespec draft`'s)")
+    ap.add_argument("--nodes", type=int)
     ap.add_argument("--target-embeddings", help="--shadow eagle3's or dflash's, as for "
                     "`treespec draft`")
     ap.add_argument("--device", default="auto", help="--shadow's device")
@@ -162,7 +166,9 @@ def main() -> None:
     from draft_service.registry import build_proposer
     records = json.loads(Path(a.continuations).read_text())
     if a.shadow:
-        cfg = DraftConfig(method=a.shadow, envelope=envelope_from(a.envelope), model=a.model,
+        env = (envelope_from(a.envelope) if a.topk is None
+               else envelope_from(None, a.depth, a.topk, a.nodes))
+        cfg = DraftConfig(method=a.shadow, envelope=env, model=a.model,
                           target_embeddings=a.target_embeddings, host=a.host, port=a.port,
                           device=a.device, local_socket=a.local_socket,
                           num_blocks=a.num_blocks, metrics_port=a.metrics_port)

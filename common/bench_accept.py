@@ -1,7 +1,7 @@
 """`treespec bench-accept`: how well each proposer x envelope speculates on held-out text.
 
     treespec bench-accept [--model tiny-code] [--methods ngram,model,eagle3]
-        [--envelopes chain4,tree-small] [--files 8] [--prompt-tokens 128]
+        [--envelopes chain4,tree-small,15x4x16] [--files 8] [--prompt-tokens 128]
         [--max-tokens 48] [--temperature T [--top-k K --top-p P --min-p M]]
         [--draft-sampling sample|deterministic] [--acceptance coupled|rejection]
         [--device auto] [--json FILE]
@@ -66,12 +66,19 @@ def accepted_by_position(url: str) -> tuple[float, dict[int, float]]:
     return drafts, pos
 
 
+def envelope_args(envelope: str) -> list[str]:
+    """The draft's flags for an envelope: a preset's name, or DEPTHxTOPKxNODES."""
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", envelope)
+    return ["--envelope", envelope] if m is None else [
+        "--depth", m[1], "--topk", m[2], "--nodes", m[3]]
+
+
 def measure(target: str, method: str, envelope: str, prompts: list[list[int]], max_tokens: int,
             device: str, sampling: dict, draft_sampling: str, acceptance: str,
             draft: str | None = None, timeout: float = 180.0) -> dict:
     """One row: both services for this configuration, plain then speculative decode
     (draft: the method's checkpoint, by default the shipped one)."""
-    draft_args = ["draft", "--method", method, "--envelope", envelope, "--port", "0",
+    draft_args = ["draft", "--method", method, *envelope_args(envelope), "--port", "0",
                   "--device", device, "--draft-sampling", draft_sampling]
     if method != "ngram" and (draft or SHIPPED_DRAFTS.get(method)):
         draft_args += ["--model", draft or SHIPPED_DRAFTS[method]]
@@ -119,7 +126,9 @@ def add_arguments(a: argparse.ArgumentParser) -> None:
     a.add_argument("--methods", default="ngram,model,eagle3")
     a.add_argument("--draft", help="the draft checkpoint of a single method (default: the "
                    "shipped one of each method, drafts for tiny-code)")
-    a.add_argument("--envelopes", default="chain4,tree-small")
+    a.add_argument("--envelopes", default="chain4,tree-small",
+                   help="presets, or DEPTHxTOPKxNODES for a custom envelope (15x4x16: 15 "
+                        "deep, each node's 4 best children, the best 16 nodes)")
     a.add_argument("--files", type=positive_int, default=8, help="held-out files used")
     a.add_argument("--prompt-tokens", type=positive_int, default=128)
     a.add_argument("--max-tokens", type=positive_int, default=48)

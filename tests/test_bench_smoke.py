@@ -40,7 +40,7 @@ def bench_argv(name: str, d: Path) -> tuple[list[str], dict[str, str] | None]:
                          "--pairs", "1",
                          "--verify-args=--speculation always --step-deadline-ms 5000"], None
     assert name == "bench-accept"
-    return cli_command("bench-accept", "--methods", "ngram,model", "--envelopes", "chain4",
+    return cli_command("bench-accept", "--methods", "ngram,model", "--envelopes", "chain4,2x2x3",
                        "--files", "2", "--prompt-tokens", "48", "--max-tokens", "16",
                        "--device", "cpu", "--json", out), child_env()
 
@@ -155,13 +155,14 @@ def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(benches):
 
 def test_bench_accept_rows_are_lossless(benches):
     rows, stdout = benches("bench-accept")
-    assert [(r["proposer"], r["envelope"]) for r in rows] == [("ngram", "chain4"),
-                                                            ("model", "chain4")]
-    for r in rows:
-        assert r["identical"] and 1.0 <= r["tokens_per_step"] <= 5.0
-        assert len(r["accept_by_depth"]) == 4
+    assert [(r["proposer"], r["envelope"]) for r in rows] == [
+        ("ngram", "chain4"), ("ngram", "2x2x3"), ("model", "chain4"), ("model", "2x2x3")]
+    for r in rows:            # a custom envelope (2x2x3: 2 deep, 2 children, 3 nodes) too
+        depth = 4 if r["envelope"] == "chain4" else 2
+        assert r["identical"] and 1.0 <= r["tokens_per_step"] <= 1 + depth
+        assert len(r["accept_by_depth"]) == depth
         assert all(a >= b for a, b in zip(r["accept_by_depth"], r["accept_by_depth"][1:]))
-    assert rows[1]["tokens_per_step"] > 1.5          # the trained draft does accept
+    assert rows[2]["tokens_per_step"] > 1.5          # the trained draft does accept
     assert "| model | chain4 |" in stdout
 
 
