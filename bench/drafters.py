@@ -46,6 +46,8 @@ HIDDEN = ("treespec:draft_hidden_state_bytes_total", "treespec:draft_hop_seconds
 # the draft service's own: its engine's step (updates, propose, trees) and the propose
 DRAFT = ("treespec:draft_step_seconds_sum", "treespec:draft_step_seconds_count",
          "treespec:draft_propose_seconds_sum")
+# what a plain run keeps: tok/s, the step and its forward (ms), the forward's tail
+PLAIN_KEYS = ("tok_s", "step_ms", "verify_ms", "verify_over_ms")
 CONFIGS = ("ngram:chain4,ngram:tree-small,model:chain4,model:tree-small,"
            "eagle3:chain4,eagle3:tree-small")
 
@@ -240,8 +242,7 @@ def plain_pass(addr: str, sets: dict, a: argparse.Namespace, url: str | None,
         r = throughput(addr, prompts, a.max_tokens, no_spec=True, metrics=url,
                        reps=reps(a, b), warmup=a.warmup_tokens,
                        sampling=sampling(a))
-        res[str(b)] = {**{k: r[k] for k in ("tok_s", "step_ms", "verify_ms", "verify_over_ms")
-                          if k in r},
+        res[str(b)] = {**{k: r[k] for k in PLAIN_KEYS if k in r},
                        "ids": r["ids"]}
         print(f"{label} b={b}: {r['tok_s']:.1f} tok/s", flush=True)
     return res
@@ -295,11 +296,11 @@ def paired(addr: str, prompts: list[list[int]], a: argparse.Namespace, url: str 
     passes without one."""
     ratios, plains = [], []
     for _ in range(a.pairs):
-        p, r = (throughput(addr, prompts, a.max_tokens, no_spec=plain, warmup=0, metrics=url,
-                           sampling=sampling(a)) for plain in (True, False))
+        p, r = (throughput(addr, prompts, a.max_tokens, no_spec=plain, warmup=0,
+                           metrics=url if plain else None, sampling=sampling(a))
+                for plain in (True, False))
         ratios.append(r["tok_s"] / p["tok_s"])
-        plains.append({k: p[k] for k in ("tok_s", "step_ms", "verify_ms", "verify_over_ms")
-                       if k in p})
+        plains.append({k: p[k] for k in PLAIN_KEYS if k in p})
     return ratios, plains
 
 
