@@ -56,7 +56,7 @@ class TreeEnvelope:
 PRESETS: dict[str, TreeEnvelope] = {
     "chain4": TreeEnvelope(depth=4, topk=1, num_nodes=4, name="chain4"),
     "tree-small": TreeEnvelope(depth=4, topk=2, num_nodes=8, name="tree-small"),
-    "tree-wide": TreeEnvelope(depth=5, topk=4, num_nodes=32, name="tree-wide"),
+    "tree-wide": TreeEnvelope(depth=5, topk=4, num_nodes=31, name="tree-wide"),
     # a DFlash block of 8 / 16 drafts 7 / 15 positions in one forward
     "block8": TreeEnvelope(depth=7, topk=1, num_nodes=7, name="block8"),
     "block16": TreeEnvelope(depth=15, topk=1, num_nodes=15, name="block16"),

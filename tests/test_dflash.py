@@ -235,6 +235,12 @@ def test_training_rows_hold_independent_blocks(dflash_dir, target4):
             torch.testing.assert_close(both[i], one, atol=1e-4, rtol=1e-4)
 
 
+def test_training_acceptance_follows_the_served_walk():
+    """The training report's tokens a step: each step starts where the last one's commits
+    end, as serving's do, not the mean over every anchor (which here would be 25 / 6)."""
+    assert D.walk(torch.tensor([[3, 9, 9, 1, 2, 1], [1, 16, 1, 1, 1, 1]])) == (6 + 17) / (3 + 2)
+
+
 SHIPPED = SHIPPED_DIR / "tiny-code-dflash"
 
 

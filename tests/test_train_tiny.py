@@ -207,8 +207,11 @@ def test_dflash_trains_against_an_existing_target_and_serves(trained, tmp_path):
            "--dflash-anchors", "4"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "tokens/step (held-out, teacher-forced)" in proc.stdout
+    assert "file starts, teacher-forced" in proc.stdout
     path = tmp_path / "tiny-code-dflash"
+    info = json.loads((path / "TRAINING.json").read_text())
+    assert all(info[k] >= 1.0 for k in ("held_out_teacher_forced_tokens_per_step",
+                                         "held_out_file_starts_tokens_per_step"))
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 8
     assert cfg["num_hidden_layers"] == len(cfg["dflash_config"]["target_layer_ids"]) == 2

@@ -149,10 +149,11 @@ def block_loss(model: DFlashDrafter, feats: torch.Tensor, tokens: torch.Tensor,
 @torch.no_grad()
 def chain_acceptance(model: DFlashDrafter, feats: torch.Tensor, seqs: torch.Tensor,
                      prompt_len: int, embed: torch.Tensor, lm_head: torch.Tensor) -> float:
-    """Mean tokens a greedy step commits (accepted drafts + 1) when the block drafts
-    after each prompt of seqs [N, P + G] (the target's greedy continuations), at every
-    anchor of the continuation: what bench-accept measures, teacher-forced on the
-    target's own chain."""
+    """Tokens a greedy step commits (accepted drafts + 1) along the walk serving takes
+    over seqs [N, P + G] (the target's greedy continuations): the first block after the
+    prompt, each next one at the root its step reached. What bench-accept measures,
+    teacher-forced. (Not the mean over every anchor: that counts each token of an easy
+    stretch as an anchor of its own, while the walk crosses it in one step.)"""
     n, total = seqs.shape
     sl = model.block_size
     anchors = torch.arange(prompt_len - 1, total - sl + 1, device=seqs.device)
@@ -161,8 +162,18 @@ def chain_acceptance(model: DFlashDrafter, feats: torch.Tensor, seqs: torch.Tens
     truth = seqs.gather(1, at.reshape(n, -1)).view(n, len(anchors), sl)
     block = torch.cat([truth[..., :1], torch.full_like(truth[..., 1:], model.mask_token_id)], -1)
     guess = model(feats, rows, block, embed, lm_head).argmax(-1)
-    ok = (guess == truth[..., 1:]).long().cumprod(-1).sum(-1)
-    return float(ok.float().mean()) + 1.0
+    return walk((guess == truth[..., 1:]).long().cumprod(-1).sum(-1) + 1)
+
+
+def walk(commits: torch.Tensor) -> float:
+    """Tokens a step along serving's walk, given the tokens a step would commit at each
+    anchor [N, A] (anchor 0 the prompt's last token): each step moves on by its own."""
+    tokens = steps = 0
+    for row in commits.tolist():
+        a = 0
+        while a < len(row):
+            tokens, steps, a = tokens + row[a], steps + 1, a + row[a]
+    return tokens / steps
 
 
 def drafter_config(target_cfg: dict, layers: int, block_size: int, mask_token_id: int,

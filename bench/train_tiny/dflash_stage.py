@@ -8,7 +8,9 @@ prompts (``gen_mix`` of the steps), as for the draft and the EAGLE-3 head. Each 
 draws ``dflash_anchors`` random anchors a per window: block [x_a, mask x (B - 1)], the
 context the target's features at positions < a, cross-entropy of positions 1 .. B-1
 weighted toward the early ones. The held-out report is the teacher-forced tokens per
-step of a greedy chain on the target's continuations of held-out prompts.
+step of a greedy chain on the target's continuations of held-out prompts (windows inside
+the files, and the files' starts, which are bench-accept's prompts), walked as serving
+walks.
 """
 
 from __future__ import annotations
@@ -64,10 +66,18 @@ def run_dflash(s: Settings) -> dict:
     batches = D.MixedBatches(C.WindowSampler(train, s.seq_len, seed=s.seed + 10), pool,
                              s.gen_mix, st.batch, seed=s.seed + 11)
     gen = torch.Generator().manual_seed(s.seed + 12)
-    probe = lm.greedy_continue(target, C.fixed_windows(held, s.eval_prompt_len,
-                                                       s.eval_prompts).to(dev),
-                               s.eval_new_tokens)
-    probe_feats = tap(probe, logits=False)[1]
+    # two held-out probes: windows inside files, and the files' starts (bench-accept's
+    # prompts, where the README's tokens a step come from)
+    n = s.eval_prompt_len
+    starts = torch.tensor([p for p in (tok.encode(t[:16 * n])[:n] for t in
+                                       corpus.held_out_texts[:s.eval_prompts]) if len(p) == n])
+    probes = [lm.greedy_continue(target, p.to(dev), s.eval_new_tokens) for p in
+              (C.fixed_windows(held, s.eval_prompt_len, s.eval_prompts), starts)]
+    probes = [(p, tap(p, logits=False)[1]) for p in probes]
+
+    def acceptance() -> tuple[float, float]:
+        return tuple(DF.chain_acceptance(model, f, p, s.eval_prompt_len, embed, head)
+                     for p, f in probes)
 
     def loss(step: int) -> torch.Tensor:
         b = batches(step).to(dev)
@@ -78,14 +88,14 @@ def run_dflash(s: Settings) -> dict:
                              s.dflash_gamma, gen, low)
 
     def report() -> str:
-        per_step = DF.chain_acceptance(model, probe_feats, probe, s.eval_prompt_len, embed, head)
-        return f"greedy block-{s.dflash_block} chain: {per_step:.3f} tokens/step"
+        return ("greedy block-{} chain, tokens/step: windows {:.3f}, file starts {:.3f}"
+                .format(s.dflash_block, *acceptance()))
 
     res = run_stage("dflash", list(model.parameters()), loss, st,
                     60.0 * s.minutes_budget * st.budget_share, dev, s.log_every, report,
                     s.eval_every)
     with torch.no_grad():
-        per_step = DF.chain_acceptance(model, probe_feats, probe, s.eval_prompt_len, embed, head)
+        per_step, at_starts = acceptance()
     tap.close()
     path = Path(s.out) / NAME
     DF.save_drafter(model, path, lm.SAVE_DTYPES[s.save_dtype])
@@ -98,10 +108,12 @@ def run_dflash(s: Settings) -> dict:
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "corpus": corpus.stats(), "stage": res.as_json(),
         "held_out_teacher_forced_tokens_per_step": per_step,
+        "held_out_file_starts_tokens_per_step": at_starts,
         "params": sum(p.numel() for p in model.parameters()),
         "bytes": (path / "model.safetensors").stat().st_size,
         "wall_seconds": time.perf_counter() - t0}
     (path / "TRAINING.json").write_text(json.dumps(report_json, indent=2) + "\n")
-    print(f"[train_tiny] dflash: {per_step:.3f} tokens/step (held-out, teacher-forced) "
+    print(f"[train_tiny] dflash: {per_step:.3f} / {at_starts:.3f} tokens/step (held-out "
+          "windows / file starts, teacher-forced) "
           f"in {report_json['wall_seconds']:.1f}s -> {path}", flush=True)
     return report_json
