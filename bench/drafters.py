@@ -162,6 +162,9 @@ def main() -> None:
                          "and the row's, back to back, at every batch: over_plain_paired is "
                          "the median turn's ratio, free of the drift between passes minutes "
                          "apart")
+    ap.add_argument("--pairs-below", type=float, default=float("inf"),
+                    help="pair only the cells whose one pass is under this many times plain "
+                         "(1.05: the cells near plain that one pass cannot judge)")
     ap.add_argument("--budget-s", type=float, default=1e9,
                     help="start no configuration after this many seconds")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -274,13 +277,14 @@ def run_config(key: str, method: str, envelope: str, mode: str, port: int, work:
                 rows[str(b)]["draft_engine_ms"] = 1000 * got[DRAFT[0]] / n
                 rows[str(b)]["draft_propose_ms"] = 1000 * got[DRAFT[2]] / n
             x = rows[str(b)]
-            if a.pairs:
+            if a.pairs and x["over_plain"] < a.pairs_below:
                 x["paired_turns"], x["paired_plain"] = paired(v.addr, prompts, a, url)
                 x["over_plain_paired"] = sorted(x["paired_turns"])[a.pairs // 2]
             print(f"{key} b={b}: {x['tok_s']:.1f} tok/s ({x['over_plain']:.2f} x), step "
                   f"{x.get('step_ms', 0):.2f} ms, draft {x.get('hop_draft_ms', 0):.2f} ms, "
                   f"fallbacks {x['fallbacks']}, lossless {x['lossless']}"
-                  + (f", paired {x['over_plain_paired']:.3f} x" if a.pairs else ""), flush=True)
+                  + (f", paired {x['over_plain_paired']:.3f} x" if "paired_turns" in x else ""),
+                  flush=True)
     finally:
         d.stop()
         (work / f"{method}-{envelope}-{mode}.log").write_text(d.output())
