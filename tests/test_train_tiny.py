@@ -204,7 +204,7 @@ def test_dflash_trains_against_an_existing_target_and_serves(trained, tmp_path):
            "--device", "cpu", "--tiny", "--max-files", "20", "--steps", "8",
            "--minutes-budget", "0.5", "--gen-seqs", "4", "--eval-prompts", "2",
            "--only", "dflash", "--base", str(trained), "--dflash-layers", "2",
-           "--dflash-anchors", "4"]
+           "--dflash-anchors", "4", "--gen-starts", "0.5"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "file starts, teacher-forced" in proc.stdout
@@ -226,6 +226,11 @@ def test_dflash_trains_against_an_existing_target_and_serves(trained, tmp_path):
     was, now = (load_file(str(d / "tiny-code-dflash" / "model.safetensors"))
                 for d in (tmp_path, again))
     assert was.keys() == now.keys() and all(torch.equal(was[k], now[k]) for k in was)
+
+
+def test_file_starts_are_near_each_documents_first_token():
+    stream = torch.tensor([5, 6, 7, 0, 8, 9, 0, 4, 4, 4, 0])        # three documents, eos 0
+    assert C.file_starts(stream, 0, length=3, spread=1).tolist() == [0, 1, 4, 5, 7, 8]
 
 
 def test_a_sigterm_ends_a_stage_after_its_step_so_the_run_still_saves():

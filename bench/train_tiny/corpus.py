@@ -120,15 +120,28 @@ class WindowSampler:
     """Random windows [batch, length] of a token stream, from a seeded CPU generator
     (the same batches on every device)."""
 
-    def __init__(self, stream: torch.Tensor, length: int, seed: int) -> None:
+    def __init__(self, stream: torch.Tensor, length: int, seed: int,
+                 starts: torch.Tensor | None = None) -> None:
         if len(stream) <= length:
             raise ValueError(f"stream of {len(stream)} tokens is too short for {length}")
         self.stream, self.length = stream, length
+        self.starts = starts            # where a window may begin (None: anywhere)
         self.gen = torch.Generator().manual_seed(seed)
 
     def sample(self, batch: int) -> torch.Tensor:
-        starts = torch.randint(0, len(self.stream) - self.length, (batch,), generator=self.gen)
+        if self.starts is None:
+            starts = torch.randint(0, len(self.stream) - self.length, (batch,), generator=self.gen)
+        else:
+            starts = self.starts[torch.randint(0, len(self.starts), (batch,), generator=self.gen)]
         return torch.stack([self.stream[s:s + self.length] for s in starts.tolist()])
+
+
+def file_starts(stream: torch.Tensor, eos: int, length: int, spread: int) -> torch.Tensor:
+    """Window starts within `spread` tokens of a document's first token (documents end
+    in eos, as encode_stream writes them) whose `length` tokens fit in the stream."""
+    firsts = torch.cat([torch.zeros(1, dtype=torch.long), (stream == eos).nonzero()[:, 0] + 1])
+    out = (firsts[:, None] + torch.arange(spread + 1)).flatten()
+    return out[out + length <= len(stream)]
 
 
 def fixed_windows(stream: torch.Tensor, length: int, count: int) -> torch.Tensor:

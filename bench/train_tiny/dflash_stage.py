@@ -45,10 +45,15 @@ def run_dflash(s: Settings) -> dict:
     train = C.encode_stream(tok, corpus.train_texts)
     held = C.encode_stream(tok, corpus.held_out_texts)
     pool = None
-    if s.gen_seqs > 0:
-        prompts = C.WindowSampler(train, s.gen_prompt_len, seed=s.seed + 2)
-        pool = D.generate_pool(target, prompts, s.gen_seqs, s.gen_len, dev,
-                               batch=2048 if dev.type == "cuda" else 256)
+    if s.gen_seqs > 0:      # prompts anywhere, and a gen_starts share near files' starts
+        near = round(s.gen_seqs * s.gen_starts)
+        firsts = C.file_starts(train, tok.eos_token_id, s.gen_prompt_len, spread=64)
+        pool = torch.cat([D.generate_pool(target, C.WindowSampler(train, s.gen_prompt_len,
+                                                                  seed=s.seed + 2 + i, starts=at),
+                                          n, s.gen_len, dev,
+                                          batch=2048 if dev.type == "cuda" else 256)
+                          for i, (n, at) in enumerate(((s.gen_seqs - near, None), (near, firsts)))
+                          if n])
 
     tcfg = target.config.to_dict()
     ids = default_layer_ids(tcfg["num_hidden_layers"], s.dflash_layers)

@@ -66,6 +66,8 @@ class Settings:
     gen_prompt_len: int = 128
     gen_len: int = 128
     gen_mix: float = 0.7                # share of distillation steps on generated sequences
+    gen_starts: float = 0.0             # DFlash: share of the generated prompts that begin
+                                        # within 64 tokens of a training file's start
     eval_prompts: int = 48
     eval_prompt_len: int = 128
     eval_new_tokens: int = 64
@@ -127,6 +129,9 @@ def parse_args(argv: list[str] | None = None) -> Settings:
                    help="target-greedy sequences generated for distillation (0: real text only)")
     p.add_argument("--gen-mix", type=float, default=None,
                    help="share of distillation steps on generated sequences")
+    p.add_argument("--gen-starts", type=float, default=None,
+                   help="DFlash: share of generated prompts near a training file's start "
+                        "(where bench-accept's prompts are)")
     p.add_argument("--dflash-layers", type=int, default=None, help="DFlash drafter layers")
     p.add_argument("--dflash-anchors", type=int, default=None,
                    help="DFlash blocks drawn per training window")
@@ -163,7 +168,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         s = replace(s, dflash_stage=replace(s.dflash_stage, batch=a.dflash_batch))
     if a.dflash_lr is not None:
         s = replace(s, dflash_stage=replace(s.dflash_stage, lr=a.dflash_lr))
-    for name in ("gen_seqs", "gen_mix", "dflash_init", "dflash_layers", "dflash_anchors",
+    for name in ("gen_seqs", "gen_mix", "gen_starts", "dflash_init", "dflash_layers", "dflash_anchors",
                  "dflash_gamma", "eval_prompts", "log_every", "eval_every"):
         if getattr(a, name) is not None:
             s = replace(s, **{name: getattr(a, name)})
