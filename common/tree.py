@@ -132,8 +132,11 @@ def budget_depths(env: TreeEnvelope) -> tuple[int, ...]:
 
 
 def budget_nodes(env: TreeEnvelope, depth: int) -> int:
-    """The most nodes a tree of env has at depths <= depth (num_nodes at its own)."""
-    return min(env.num_nodes, env.topk + (depth - 1) * env.topk * env.topk)
+    """The nodes of env's trees cut to depth (num_nodes at its own): env's nodes per
+    level kept (num_nodes x depth / env.depth, rounded up), so that a shallower budget
+    verifies fewer rows, as a chain's does, and no more than depth levels produce."""
+    return min(env.num_nodes, env.topk + (depth - 1) * env.topk * env.topk,
+               -(-env.num_nodes * depth // env.depth))
 
 
 def shallower(env: TreeEnvelope, depth: int) -> TreeEnvelope:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.tree import (PAD, PRESETS, TreeBatch, TreeEnvelope, budget_depths, budget_nodes,
-                         cut_depth)
+                         cut_depth, envelope_from)
 from common.spec_types import DrafterInfo
 from verify_service.controller import Controller, Plan
 
@@ -25,7 +25,11 @@ def test_budgets_are_the_envelope_and_its_halvings():
     assert budget_depths(PRESETS["chain4"]) == (4, 2, 1)
     assert budget_depths(PRESETS["block16"]) == (15, 7, 3, 1)
     assert budget_depths(PRESETS["tree-wide"]) == (5, 2, 1)
-    assert [budget_nodes(PRESETS["tree-small"], d) for d in (1, 2, 4)] == [2, 6, 8]
+    # a shallower budget keeps the envelope's nodes per level (a chain's: one)
+    assert [budget_nodes(PRESETS["tree-small"], d) for d in (1, 2, 4)] == [2, 4, 8]
+    assert [budget_nodes(PRESETS["tree-wide"], d) for d in (1, 2, 5)] == [4, 13, 31]
+    assert [budget_nodes(envelope_from(depth=15, topk=4, num_nodes=15), d) for d in (1, 3, 7, 15)] == [1, 3, 7, 15]
+    assert [budget_nodes(PRESETS["block16"], d) for d in (1, 3, 7, 15)] == [1, 3, 7, 15]
 
 
 def test_a_cut_keeps_shallow_nodes_in_order_with_their_q_and_maps_them_back():
