@@ -28,8 +28,8 @@ def test_budgets_are_the_envelope_and_its_halvings():
     # a shallower budget keeps the envelope's nodes per level (a chain's: one)
     assert [budget_nodes(PRESETS["tree-small"], d) for d in (1, 2, 4)] == [2, 4, 8]
     assert [budget_nodes(PRESETS["tree-wide"], d) for d in (1, 2, 5)] == [4, 13, 31]
-    assert [budget_nodes(envelope_from(depth=15, topk=4, num_nodes=15), d) for d in (1, 3, 7, 15)] == [1, 3, 7, 15]
-    assert [budget_nodes(PRESETS["block16"], d) for d in (1, 3, 7, 15)] == [1, 3, 7, 15]
+    for env in (envelope_from(depth=15, topk=4, num_nodes=15), PRESETS["block16"]):
+        assert [budget_nodes(env, d) for d in (1, 3, 7, 15)] == [1, 3, 7, 15]
 
 
 def test_a_cut_keeps_shallow_nodes_in_order_with_their_q_and_maps_them_back():

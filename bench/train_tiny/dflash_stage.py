@@ -77,7 +77,7 @@ def run_dflash(s: Settings) -> dict:
     starts = torch.tensor([p for p in (tok.encode(t[:16 * n])[:n] for t in
                                        corpus.held_out_texts[:s.eval_prompts]) if len(p) == n])
     probes = [lm.greedy_continue(target, p.to(dev), s.eval_new_tokens) for p in
-              (C.fixed_windows(held, s.eval_prompt_len, s.eval_prompts), starts)]
+              (C.fixed_windows(held, n, s.eval_prompts), starts)]
     probes = [(p, tap(p, logits=False)[1]) for p in probes]
 
     def acceptance() -> tuple[float, float]:

@@ -168,8 +168,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         s = replace(s, dflash_stage=replace(s.dflash_stage, batch=a.dflash_batch))
     if a.dflash_lr is not None:
         s = replace(s, dflash_stage=replace(s.dflash_stage, lr=a.dflash_lr))
-    for name in ("gen_seqs", "gen_mix", "gen_starts", "dflash_init", "dflash_layers", "dflash_anchors",
-                 "dflash_gamma", "eval_prompts", "log_every", "eval_every"):
+    for name in ("gen_seqs", "gen_mix", "gen_starts", "dflash_init", "dflash_layers",
+                 "dflash_anchors", "dflash_gamma", "eval_prompts", "log_every", "eval_every"):
         if getattr(a, name) is not None:
             s = replace(s, **{name: getattr(a, name)})
     return s
