@@ -19,6 +19,7 @@ STEP_PARTS = {"step": "treespec:step_seconds", "hop": "treespec:draft_hop_second
 # controller's depth per step (how many steps it ran plain and at each budget)
 BUCKETED = {"hop_le": STEP_PARTS["hop"], "verify_le": STEP_PARTS["verify"],
             "budget_le": "treespec:spec_budget_depth"}
+BUDGET_S = "treespec:spec_budget_seconds_total"          # labelled {budget}: whole steps' time
 
 
 def metrics_url(svc: ServiceProcess) -> str | None:
@@ -37,8 +38,11 @@ def step_sums(url: str | None) -> dict:
         text = r.read().decode()
     got: dict[str, float] = {}
     les: dict[str, dict[float, float]] = {k: {} for k in BUCKETED}
+    budget_s: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for smp in fam.samples:
+            if smp.name == BUDGET_S:
+                budget_s[smp.labels["budget"]] = smp.value
             part = smp.labels.get("part")
             name = smp.name if part is None else f"{smp.name}|{part}"
             got[name] = got.get(name, 0.0) + smp.value
@@ -52,7 +56,7 @@ def step_sums(url: str | None) -> dict:
         return got.get(base + suffix + (f"|{part}" if part else ""), 0.0)
 
     return {**{k: (series(n, "_sum"), series(n, "_count")) for k, n in STEP_PARTS.items()},
-            **les}
+            **les, "budget_s": budget_s}
 
 
 def step_breakdown(before: dict, after: dict) -> dict[str, float]:
@@ -83,6 +87,11 @@ def step_breakdown(before: dict, after: dict) -> dict[str, float]:
         if n > below:
             out.setdefault("budget_steps", {})[f"{le:g}"] = n - below
         below = n
+    # and a step's mean ms at each: what each budget cost where the controller chose it
+    b, a = before.get("budget_s", {}), after.get("budget_s", {})
+    for d, n in out.get("budget_steps", {}).items():
+        if d in a:
+            out.setdefault("budget_step_ms", {})[d] = 1000 * (a[d] - b.get(d, 0.0)) / n
     return out
 
 

@@ -149,6 +149,7 @@ def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(benches):
     assert shadow["hop_draft_ms"] > 0 and rand["hop_draft_ms"] > 0
     assert shadow["hop_over_ms"]["1"] >= shadow["hop_over_ms"]["32"]  # the heavy hops' share
     assert list(shadow["budget_steps"]) == ["4"]      # `always`: every step the envelope's depth
+    assert shadow["budget_step_ms"]["4"] == pytest.approx(shadow["step_ms"])   # so its time too
     for x in (rand, shadow):     # the draft's own metrics: its propose within its engine's step
         assert 0 < x["draft_propose_ms"] <= x["draft_engine_ms"]
 

@@ -113,7 +113,7 @@ def test_metrics_for_a_hand_made_step():
                      fallback=[None, "empty_tree"], reason=None, envelope=env,
                      t_start=0, t_drafted=2_000_000, t_verified=5_000_000, t_end=6_000_000,
                      hop_parts=hop_parts(0, 2_000_000, (100_000, 1_600_000, 300_000,
-                                                        1_200_000)), rest_floor=170)
+                                                        1_200_000)), rest_floor=170, budget=2)
     m.step_finished(rec)
     got = m.registry.get_sample_value
     lab = {"model_name": "tiny"}
@@ -131,6 +131,7 @@ def test_metrics_for_a_hand_made_step():
                                    "to_draft": 2e-4, "draft": 9e-4, "to_verify": 4e-4})
     assert got("treespec:verify_forward_seconds_sum", lab) == pytest.approx(0.003)
     assert got("treespec:step_seconds_sum", lab) == pytest.approx(0.006)
+    assert got("treespec:spec_budget_seconds_total", {**lab, "budget": "2"}) == pytest.approx(0.006)
     assert got("treespec:spec_rest_floor_steps", lab) == 170
     # every server has a registry of its own: a second one starts from zero
     assert VerifyMetrics("tiny").registry.get_sample_value(

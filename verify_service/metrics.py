@@ -103,6 +103,11 @@ class VerifyMetrics(EngineObserver):
         self.budget = Histogram("treespec:spec_budget_depth",
                                 "The speculation controller's depth per step (0: plain).",
                                 lab, buckets=tuple(range(17)), registry=r).labels(m)
+        self._budget_s = Counter("treespec:spec_budget_seconds",
+                                 "Wall time of whole steps by the controller's depth (0: "
+                                 "plain): with spec_budget_depth, a budget's mean step.",
+                                 [*lab, "budget"], registry=r)
+        self._by_budget: dict[int, Counter] = {}
         self.expected = Gauge("treespec:spec_budget_expected_tokens",
                               "The controller's expected committed tokens, last step.", lab,
                               registry=r).labels(m)
@@ -158,6 +163,9 @@ class VerifyMetrics(EngineObserver):
         self.verify.observe((r.t_verified - r.t_drafted) * _NS)
         self.step.observe((r.t_end - r.t_start) * _NS)
         self.budget.observe(r.budget)
+        if r.budget not in self._by_budget:
+            self._by_budget[r.budget] = self._budget_s.labels(self.model_name, str(r.budget))
+        self._by_budget[r.budget].inc((r.t_end - r.t_start) * _NS)
         self.expected.set(r.expected)
         self.budget_cost.set(r.cost_s or 0.0)
         self.rest_floor.set(r.rest_floor)
