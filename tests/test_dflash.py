@@ -191,7 +191,7 @@ PROMPTS = [[1, 5, 9, 13, 2, 7, 1, 5, 9, 13], [3, 4, 5, 6], [10, 20, 30, 40, 50, 
 
 @pytest.mark.parametrize("envelope, draft_socket, cut", [
     ("block8", "auto", False), ("tree-small", "auto", False), ("chain4", "off", False),
-    ("block8", "auto", True)])
+    ("block8", "auto", True), ("tree-small", "auto", True)])
 def test_speculative_greedy_equals_plain_greedy(dflash_dir, target4, envelope, draft_socket,
                                                 cut):
     """cut: the budgets cycle through depths 1, 2, the block's and plain (the controller
