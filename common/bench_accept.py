@@ -49,8 +49,14 @@ def held_out_prompts(target: Path, files: int, prompt_tokens: int) -> list[list[
         raise ValueError(f"{target} needs a tokenizer and a TRAINING.json naming held-out files")
     root = Path(sysconfig.get_paths()["stdlib"])
     names = json.loads(info_path.read_text())["held_out_files"][:files]
-    return [tok.encode((root / n).read_text(errors="replace")[:prompt_tokens * 16])[:prompt_tokens]
-            for n in names]
+    return file_start_prompts(tok, [(root / n).read_text(errors="replace") for n in names],
+                              prompt_tokens)
+
+
+def file_start_prompts(tok, texts: list[str], prompt_tokens: int) -> list[list[int]]:
+    """The first prompt_tokens tokens of each text (bench-accept's prompts; a text's
+    first 16 characters a token are plenty)."""
+    return [tok.encode(t[:prompt_tokens * 16])[:prompt_tokens] for t in texts]
 
 
 def accepted_by_position(url: str) -> tuple[float, dict[int, float]]:

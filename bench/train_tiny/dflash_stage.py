@@ -29,6 +29,7 @@ from bench.train_tiny import distill as D
 from bench.train_tiny import lm
 from bench.train_tiny.settings import Settings
 from bench.train_tiny.train_loop import run_stage
+from common.bench_accept import file_start_prompts
 from draft_service.dflash_head import default_layer_ids
 
 NAME = "tiny-code-dflash"
@@ -47,13 +48,13 @@ def run_dflash(s: Settings) -> dict:
     pool = None
     if s.gen_seqs > 0:      # prompts anywhere, and a gen_starts share near files' starts
         near = round(s.gen_seqs * s.gen_starts)
-        firsts = C.file_starts(train, tok.eos_token_id, s.gen_prompt_len, spread=64)
+        firsts = C.file_starts(train, tok.eos_token_id, s.gen_prompt_len, 64) if near else None
+        parts = [(s.gen_seqs - near, None), (near, firsts)]
         pool = torch.cat([D.generate_pool(target, C.WindowSampler(train, s.gen_prompt_len,
                                                                   seed=s.seed + 2 + i, starts=at),
                                           n, s.gen_len, dev,
                                           batch=2048 if dev.type == "cuda" else 256)
-                          for i, (n, at) in enumerate(((s.gen_seqs - near, None), (near, firsts)))
-                          if n])
+                          for i, (n, at) in enumerate(parts) if n])
 
     tcfg = target.config.to_dict()
     ids = default_layer_ids(tcfg["num_hidden_layers"], s.dflash_layers)
@@ -74,8 +75,8 @@ def run_dflash(s: Settings) -> dict:
     # two held-out probes: windows inside files, and the files' starts (bench-accept's
     # prompts, where the README's tokens a step come from)
     n = s.eval_prompt_len
-    starts = torch.tensor([p for p in (tok.encode(t[:16 * n])[:n] for t in
-                                       corpus.held_out_texts[:s.eval_prompts]) if len(p) == n])
+    starts = torch.tensor([p for p in file_start_prompts(
+        tok, corpus.held_out_texts[:s.eval_prompts], n) if len(p) == n])
     probes = [lm.greedy_continue(target, p.to(dev), s.eval_new_tokens) for p in
               (C.fixed_windows(held, n, s.eval_prompts), starts)]
     probes = [(p, tap(p, logits=False)[1]) for p in probes]
