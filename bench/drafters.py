@@ -329,14 +329,14 @@ def plot(res: dict, path: Path) -> None:
     ax.plot(bs, [res["plain"][str(b)]["tok_s"] for b in bs], "k-o", lw=2, label="plain")
     for key, rows in res["rows"].items():
         xs = sorted(int(b) for b in rows)
-        style = "--" if key.endswith(":random") else "-"
+        style = "--" if ":random" in key else "-"
         ax.plot(xs, [rows[str(b)]["tok_s"] for b in xs], style, marker=".", label=key)
     ax.set_xscale("log", base=2)
     ax.set_xticks(bs, [str(b) for b in bs])
     ax.set_xlabel("batch (concurrent 1024-token prompts)")
     ax.set_ylabel("tok/s, end to end")
     ax.set_title(f"{res['target']} target on one GPU ({res['date']}); "
-                 "random: drafter cost; shadow: 4 tok/step instrument")
+                 "random: drafter cost; shadow@k: replay instrument, k+1 tok/step")
     ax.legend(fontsize=7)
     fig.savefig(path, dpi=110, bbox_inches="tight")
 
