@@ -82,7 +82,7 @@ def add_arguments(m: argparse.ArgumentParser) -> None:
                    help=f"proposer (default model: {DRAFT}; eagle3 and dflash: the shipped "
                         "tiny-code-eagle3 and tiny-code-dflash)")
     m.add_argument("--envelope", help="tree preset for the draft (default chain4; dflash: "
-                                      "its block)")
+                                      "its block's tree)")
     m.add_argument("--device", default="auto", help="device for both services")
     m.add_argument("--max-tokens", type=positive_int, default=64)
     m.add_argument("--startup-timeout", type=float, default=180.0)

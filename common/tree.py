@@ -57,9 +57,12 @@ PRESETS: dict[str, TreeEnvelope] = {
     "chain4": TreeEnvelope(depth=4, topk=1, num_nodes=4, name="chain4"),
     "tree-small": TreeEnvelope(depth=4, topk=2, num_nodes=8, name="tree-small"),
     "tree-wide": TreeEnvelope(depth=5, topk=4, num_nodes=31, name="tree-wide"),
-    # a DFlash block of 8 / 16 drafts 7 / 15 positions in one forward
+    # a DFlash block of 8 / 16 drafts 7 / 15 positions in one forward: their chain, and
+    # (a DFlash drafter's default) the best of each position's top 4 in as many nodes
     "block8": TreeEnvelope(depth=7, topk=1, num_nodes=7, name="block8"),
     "block16": TreeEnvelope(depth=15, topk=1, num_nodes=15, name="block16"),
+    "block8-tree": TreeEnvelope(depth=7, topk=4, num_nodes=7, name="block8-tree"),
+    "block16-tree": TreeEnvelope(depth=15, topk=4, num_nodes=15, name="block16-tree"),
 }
 
 

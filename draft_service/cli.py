@@ -19,8 +19,9 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
                    help="eagle3 head without embed_tokens: the target's checkpoint dir or a "
                    "safetensors file holding model.embed_tokens.weight; dflash: the "
                    "target's checkpoint dir (its embedding and LM head)")
-    d.add_argument("--envelope", help="tree preset: chain4 (default; dflash: its block, "
-                   "block8 or block16), tree-small, tree-wide")
+    d.add_argument("--envelope", help="tree preset: chain4 (default; dflash: its block's "
+                   "tree, block8-tree or block16-tree), tree-small, tree-wide, block8, "
+                   "block16")
     d.add_argument("--depth", type=int, help="custom envelope: longest path, in nodes")
     d.add_argument("--topk", type=int, help="custom envelope: children per expanded node")
     d.add_argument("--nodes", type=int, help="custom envelope: nodes per tree")
@@ -74,10 +75,11 @@ def config(args: argparse.Namespace):
 
 
 def block_envelope(block_size: int):
-    """A DFlash drafter's default envelope: the chain its block drafts."""
+    """A DFlash drafter's default envelope: a tree of each block position's top 4, as
+    many nodes as the block's chain (the same verify rows, more tokens a step)."""
     from common.tree import PRESETS, TreeEnvelope
-    name = f"block{block_size}"
-    return PRESETS.get(name) or TreeEnvelope(depth=block_size - 1, topk=1,
+    name = f"block{block_size}-tree"
+    return PRESETS.get(name) or TreeEnvelope(depth=block_size - 1, topk=4,
                                              num_nodes=block_size - 1, name=name)
 
 

@@ -183,14 +183,14 @@ def test_bad_checkpoints_and_flags_are_named(dflash_dir, target4, tmp_path, monk
                      "--target-embeddings", str(target4)]) == 2
     assert "target_layer_ids [3]" in capsys.readouterr().err and not seen
     assert cli.main(argv + ["--target-embeddings", str(target4)]) == 0
-    assert seen["cfg"].envelope.name == "block8"         # its block, by default
+    assert seen["cfg"].envelope.name == "block8-tree"    # its block's tree, by default
 
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 1, 5, 9, 13], [3, 4, 5, 6], [10, 20, 30, 40, 50, 60, 70]]
 
 
 @pytest.mark.parametrize("envelope, draft_socket, cut", [
-    ("block8", "auto", False), ("tree-small", "auto", False), ("chain4", "off", False),
+    ("block8", "auto", False), ("block8-tree", "auto", False), ("chain4", "off", False),
     ("block8", "auto", True), ("tree-small", "auto", True)])
 def test_speculative_greedy_equals_plain_greedy(dflash_dir, target4, envelope, draft_socket,
                                                 cut):
@@ -253,7 +253,7 @@ def test_shipped_drafter_speculates_on_the_shipped_target():
         "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n")
 
     async def go():
-        async with services(target, "dflash", SHIPPED, "block16",
+        async with services(target, "dflash", SHIPPED, "block16-tree",
                             draft_kw={"target_embeddings": "tiny-code"}) as h:
             async with AsyncTreespecClient(h["addr"]) as c:
                 return await c.generate(prompt_ids=prompt, max_tokens=32, ignore_eos=True)
