@@ -32,7 +32,7 @@ def cell(c: dict) -> str:
 
 
 def table(res: dict) -> str:
-    bs = [b for b in res["plain"]]
+    bs = list(res["plain"])
     lines = ["| row | " + " | ".join(f"b{b}" for b in bs) + " |",
              "| --- |" + " --- |" * len(bs),
              "| plain tok/s (mean of passes) | "

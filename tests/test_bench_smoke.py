@@ -152,6 +152,14 @@ def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(benches):
     assert shadow["budget_step_ms"]["4"] == pytest.approx(shadow["step_ms"])   # so its time too
     for x in (rand, shadow):     # the draft's own metrics: its propose within its engine's step
         assert 0 < x["draft_propose_ms"] <= x["draft_engine_ms"]
+    sys.path.insert(0, str(ROOT / "bench"))        # two runs merged: plain over both runs'
+    from merge_runs import merge, table             # passes, each row over its own run's
+    m = merge([r, {**r, "rows": {f"{k}'": v for k, v in r["rows"].items()}}])
+    both = (r["plain"]["1"]["tok_s"] + again["tok_s"]) / 2
+    assert m["plain"]["1"]["tok_s"] == pytest.approx(both)
+    assert len(m["rows"]) == 2 * len(r["rows"])
+    assert (f"| eagle3:chain4:random' | {rand['over_plain']:.3f} / "
+            f"{rand['over_plain_paired']:.3f} / {min(rand['paired_turns']):.3f} |") in table(m)
 
 
 def test_bench_accept_rows_are_lossless(benches):
