@@ -7,6 +7,7 @@ real gRPC servers (both carriers) the output equals plain greedy."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from pathlib import Path
 
@@ -22,9 +23,9 @@ from common.forward_batch import build_forward_batch, chain_chunk
 from common.kv_cache import SeqPages
 from common.model_paths import SHIPPED_DIR
 from common.qwen3 import Qwen3Model
-from common.tree import PRESETS, ROOT, validate_tree
+from common.tree import PRESETS, ROOT, envelope_from, validate_tree
 from draft_service.config import DraftConfig
-from draft_service.dflash_proposer import DFlashProposer
+from draft_service.dflash_proposer import DFlashProposer, _greedy_tree
 from inproc import greedy_reference, services
 from kernels import reference as ops
 from tests_data import tp
@@ -184,6 +185,29 @@ def test_bad_checkpoints_and_flags_are_named(dflash_dir, target4, tmp_path, monk
     assert "target_layer_ids [3]" in capsys.readouterr().err and not seen
     assert cli.main(argv + ["--target-embeddings", str(target4)]) == 0
     assert seen["cfg"].envelope.name == "block8-tree"    # its block's tree, by default
+
+
+def test_greedy_tree_holds_the_best_paths_by_summed_log_prob():
+    """A greedy DFlash tree is the best num_nodes of every path over each position's
+    top-k (brute force here: 8 nodes never need 3 deviations from the argmax chain, so
+    the tree must be exactly these), each parent an earlier node."""
+    torch.manual_seed(3)
+    logits = torch.randn(5, 4, 20)
+    tokens, parents = _greedy_tree(logits, envelope_from(depth=4, topk=3, num_nodes=8))
+    lp, top = logits.log_softmax(-1), logits.topk(3, -1).indices
+    for b in range(5):
+        paths = [p for n in range(1, 5) for p in itertools.product(range(3), repeat=n)]
+        score = {p: sum(lp[b, i, top[b, i, c]].item() for i, c in enumerate(p)) for p in paths}
+        want = {tuple(top[b, i, c].item() for i, c in enumerate(p))
+                for p in sorted(paths, key=score.get, reverse=True)[:8]}
+        got = set()
+        for n in range(8):
+            assert parents[b, n] < n
+            path, at = [], n
+            while at >= 0:
+                path, at = [tokens[b, at].item()] + path, parents[b, at].item()
+            got.add(tuple(path))
+        assert got == want
 
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 1, 5, 9, 13], [3, 4, 5, 6], [10, 20, 30, 40, 50, 60, 70]]
