@@ -77,10 +77,9 @@ def config(args: argparse.Namespace):
 def block_envelope(block_size: int):
     """A DFlash drafter's default envelope: a tree of each block position's top 4, as
     many nodes as the block's chain (the same verify rows, more tokens a step)."""
-    from common.tree import PRESETS, TreeEnvelope
-    name = f"block{block_size}-tree"
-    return PRESETS.get(name) or TreeEnvelope(depth=block_size - 1, topk=4,
-                                             num_nodes=block_size - 1, name=name)
+    from common.tree import TreeEnvelope
+    return TreeEnvelope(depth=block_size - 1, topk=4, num_nodes=block_size - 1,
+                        name=f"block{block_size}-tree")
 
 
 def run(args: argparse.Namespace) -> int:

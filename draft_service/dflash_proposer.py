@@ -162,13 +162,13 @@ def _greedy_tree(logits: torch.Tensor, env: TreeEnvelope) -> tuple[torch.Tensor,
                 (torch.arange(d, device=dev, dtype=torch.int32) - 1).expand(b, d))
     lp, ids = logits.log_softmax(-1).topk(k, -1)                            # [B, D, k]
     cols, parent, last = _paths(d, k, dev)                                  # [M, D], [M], [M]
-    cost = torch.cat([(-lp.float()).nan_to_num(nan=float("inf")).clamp(min=0).view(b, d * k),
-                      lp.new_zeros(b, 1, dtype=torch.float32)], 1)         # [B, D*k + 1]
+    cost = torch.cat([(-lp).nan_to_num(nan=float("inf")).clamp(min=0).view(b, d * k),
+                      lp.new_zeros(b, 1)], 1)                               # [B, D*k + 1]
     # each path's costs in one row (0 past its end): a child's row is its parent's plus
     # one cost >= 0, so it never outscores its parent and, tied, sorts after it
     score = -cost[:, cols].sum(-1)                                          # [B, M]
     keep = score.sort(dim=1, descending=True, stable=True).indices[:, :env.num_nodes]
-    n = keep.shape[1]
+    n = env.num_nodes
     pos_of = torch.full_like(score, -1, dtype=torch.long).scatter_(
         1, keep, torch.arange(n, device=dev).expand(b, n))
     par = parent[keep]
@@ -196,7 +196,7 @@ def _paths(depth: int, k: int, device: torch.device
                 path = [0] * length
                 for at, c in zip(dev, picks):
                     path[at] = c
-                index.setdefault(tuple(path), len(index))
+                index[tuple(path)] = len(index)
     paths = list(index)
     cols = torch.tensor([[i * k + c for i, c in enumerate(p)] + [depth * k] * (depth - len(p))
                          for p in paths])
