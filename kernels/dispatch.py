@@ -13,7 +13,7 @@ Backend = Literal["auto", "reference", "triton"]
 KERNEL_NAMES = ("write_kv", "paged_tree_attention", "tree_ancestors", "accept_greedy",
                 "rejection_walk", "compact_kv",
                 "rms_norm", "add_rms_norm", "qk_norm_rope_write", "silu_mul", "linear",
-                "linear_silu_mul")
+                "linear_silu_mul", "vocab_stats")
 
 
 def triton_available(device: torch.device) -> bool:

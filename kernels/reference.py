@@ -326,3 +326,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """silu_mul(linear(x, gate_up)): x [T, K], gate_up [2I, K] -> [T, I]."""
     return silu_mul(linear(x, gate_up))
+
+
+def vocab_stats(logits: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of logits [R, V]: its log-sum-exp [R] and the maximum of each whole chunk
+    of `chunk` columns [R, V // chunk] (columns past the last whole chunk have none),
+    both float32."""
+    r, v = logits.shape
+    c = v // chunk
+    return (logits.float().logsumexp(-1),
+            logits[:, :c * chunk].reshape(r, c, chunk).amax(-1).float())

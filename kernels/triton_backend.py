@@ -12,6 +12,7 @@ from kernels.triton_fused import add_rms_norm, qk_norm_rope_write, rms_norm, sil
 from kernels.triton_kv import compact_kv, write_kv
 from kernels.triton_tree_attention import paged_tree_attention as _paged_tree_attention
 from kernels.triton_ancestors import tree_ancestors
+from kernels.triton_vocab import vocab_stats
 
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -64,4 +65,4 @@ def rejection_walk(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Ten
 __all__ = ["write_kv", "paged_tree_attention", "tree_ancestors", "accept_greedy",
            "rejection_walk", "compact_kv",
            "rms_norm", "add_rms_norm", "qk_norm_rope_write", "silu_mul", "linear",
-           "linear_silu_mul"]
+           "linear_silu_mul", "vocab_stats"]

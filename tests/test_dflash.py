@@ -193,7 +193,8 @@ def test_greedy_tree_holds_the_best_paths_by_summed_log_prob():
     the tree must be exactly these), each parent an earlier node."""
     torch.manual_seed(3)
     logits = torch.randn(5, 4, 20)
-    tokens, parents = _greedy_tree(logits, envelope_from(depth=4, topk=3, num_nodes=8))
+    tokens, parents = _greedy_tree(logits, envelope_from(depth=4, topk=3, num_nodes=8),
+                                   ops)
     lp, top = logits.log_softmax(-1), logits.topk(3, -1).indices
     for b in range(5):
         paths = [p for n in range(1, 5) for p in itertools.product(range(3), repeat=n)]
@@ -216,10 +217,10 @@ def test_top_k_over_chunks_is_exactly_topk(v):
     maxima (and the tail past the last whole one): the same values and columns as
     topk, with the top k spread over chunks, all in one chunk, or in the tail."""
     torch.manual_seed(v)
-    x = torch.randn(3, 5, v).to(torch.bfloat16)
-    x[0, :, 640:644] = 50 + torch.arange(4.0)          # all in one chunk
-    x[1, :, v - 3:] = 60 + torch.arange(3.0)            # in the tail
-    x[2, :, ::1000] += 8                                # one in each of many chunks
+    x = torch.randn(15, v).to(torch.bfloat16)
+    x[:5, 640:644] = 50 + torch.arange(4.0)             # all in one chunk
+    x[5:10, v - 3:] = 60 + torch.arange(3.0)            # in the tail
+    x[10:, ::1000] += 8                                 # one in each of many chunks
     vals, cols = top_k(x, 4)
     assert torch.equal(vals, x.topk(4, -1).values)
     assert torch.equal(x.gather(-1, cols), vals)                # ties: any of the tied columns
