@@ -186,12 +186,12 @@ CHUNK = 128
 
 def top_k(x: torch.Tensor, k: int, maxima: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x.topk(k, -1) of x [R, V], exactly, without sorting whole rows (which a GPU's
-    topk of 151936 columns does slowly: 0.96 ms of a DFlash tree's draft at batch 32 on
-    an H200): a row's top k lie in the k CHUNKs of columns with the highest maxima (a
-    chunk holding one of them has a maximum at least that high, and at most k - 1 other
-    chunks can beat it), so only those chunks, and the columns past the last whole
-    chunk, are ranked. maxima: each whole chunk's [R, V // CHUNK], when known."""
+    """x.topk(k, -1) of x [R, V], exactly, without ranking whole rows (which a GPU's
+    topk over a vocabulary of 151936 does slowly): a row's top k lie in the k CHUNKs of
+    columns with the highest maxima (a chunk holding one of them has a maximum at least
+    that high, and at most k - 1 other chunks can beat it), so only those chunks, and
+    the columns past the last whole chunk, are ranked. maxima: each whole chunk's
+    [R, V // CHUNK], when known."""
     r, v = x.shape
     c = v // CHUNK
     if c <= 4 * k:

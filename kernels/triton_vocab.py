@@ -1,8 +1,8 @@
 """kernels.reference.vocab_stats on the device (Triton): each row's log-sum-exp and its
-chunks' maxima in one read of the logits, where log_softmax writes a whole
-log-probability tensor (0.40 ms of a DFlash tree's draft at batch 32 on an H100).
-A program takes SEGMENT columns of a row (so a few rows still fill the device) and
-keeps an online maximum and sum of exponentials; the launcher merges the segments."""
+chunks' maxima in one read of the logits, where log_softmax would write a whole
+log-probability tensor. A program takes a segment of chunk x BLOCK_CHUNKS x ITERATIONS
+columns of a row (so that a few rows still fill the device) and keeps an online maximum
+and sum of exponentials per lane; the launcher merges the segments."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import FLOAT_DTYPES, check_devices, check_dtype, check_unit_last, vmax, vsum
+from kernels.triton_common import (FLOAT_DTYPES, check_devices, check_dtype, check_unit_last,
+                                   vmax, vsum)
 
 BLOCK_CHUNKS = 8            # chunks a loop iteration loads
 ITERATIONS = 16             # iterations a program runs: its segment's length in blocks
@@ -47,7 +48,8 @@ def vocab_stats(logits: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.T
     """See kernels.reference.vocab_stats."""
     where = "vocab_stats"
     if logits.dim() != 2:
-        raise ValueError(f"{where}: logits must be [rows, vocab], got shape {tuple(logits.shape)}")
+        raise ValueError(f"{where}: logits must be [rows, vocab], "
+                         f"got shape {tuple(logits.shape)}")
     check_dtype(where, "logits", logits, FLOAT_DTYPES)
     check_unit_last(where, "logits", logits)
     check_devices(_stats_kernel, where, logits=logits)
