@@ -4,7 +4,7 @@ with programmatic dependent launch; the same capturing the EAGLE-3 head's target
 layers, as beside a drafter of hidden states), the kernels inside it, and each
 projection's cuBLAS GEMV against the copy bandwidth.
 
-    python bench/profile_step.py --out DIR [--shape qwen3-8b] [--ctx 1024]
+    python bench/profile_step.py --out DIR [--shape qwen3-8b] [--ctx 1024] [--batch 1]
 
 Writes DIR/profile.json (timings) and DIR/kernels.txt (torch.profiler tables of
 graph-replayed steps, by CUDA time: the plain step, then verify steps of --nodes random
@@ -106,11 +106,13 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--nodes", default="0,4,16,64", help="tree sizes to profile (GEMV+PDL)")
+    ap.add_argument("--batch", type=int, default=1, help="sequences a variant's step runs "
+                    "(the per-kernel tree tables: batch 1 only)")
     a = ap.parse_args()
     dev = pick_device("cuda")
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    res: dict = {"shape": a.shape, "ctx": a.ctx}
+    res: dict = {"shape": a.shape, "ctx": a.ctx, "batch": a.batch}
     bw = copy_bandwidth(dev)
     res["copy_tb_s"] = bw / 1e12
     model = random_model(a.shape, dev)
@@ -121,7 +123,7 @@ def main() -> None:
     res["gemv_sum_ms"] = L * sum(res["gemv"][k]["ms"] for k in ("qkv", "o_proj", "gate_up",
                                                               "down")) + res["gemv"]["lm_head"]["ms"]
     bs = 16
-    cache = model.new_cache(-(-(a.ctx + 80) // bs) + 8, bs)
+    cache = model.new_cache(a.batch * -(-(a.ctx + 80) // bs) + 8, bs)
     prompt = torch.randint(0, model.spec.vocab_size, (a.ctx,)).tolist()
     triton_ops = select(dev, "triton")
     cublas_ops = SimpleNamespace(**{n: getattr(triton_ops, n) for n in KERNEL_NAMES})
@@ -131,15 +133,15 @@ def main() -> None:
                 "gemv_pdl": (triton_ops, True, ()),
                 "gemv_pdl_capture": (triton_ops, True,
                                      tuple(shapes.EAGLE3.get(a.shape, {}).get("aux", ())))}
-    chain = torch.randint(0, model.spec.vocab_size, (1, 4), dtype=torch.int32)
-    parents = torch.arange(-1, 3, dtype=torch.int32).unsqueeze(0)
+    chain = torch.randint(0, model.spec.vocab_size, (1, 4), dtype=torch.int32).repeat(a.batch, 1)
+    parents = torch.arange(-1, 3, dtype=torch.int32).repeat(a.batch, 1)
     res["variants"] = {}
     for label, (ops, pdl, capture) in variants.items():
         set_pdl(pdl)
         ver = Verifier(model, cache, ops)
         ver.capture_layers = capture
-        pages = [SeqPages()]
-        roots, _ = ver.prefill(pages, [prompt])
+        pages = [SeqPages() for _ in range(a.batch)]
+        roots, _ = ver.prefill(pages, [prompt] * a.batch)
         row = {}
         for n, (tok, par, depth) in {"0": (None, None, 0), "4": (chain, parents, 4)}.items():
             times = []
@@ -148,18 +150,21 @@ def main() -> None:
                 t0 = time.perf_counter()
                 ver.step(pages, roots, None if tok is None else TreeBatch(tok, par), depth)
                 times.append(time.perf_counter() - t0)
-                pages[0].kv_len = a.ctx         # back to the prompt: same context every step
+                for sp in pages:                # back to the prompt: same context every step
+                    sp.kv_len = a.ctx
             row[f"wall_ms_{n}"] = 1000 * sorted(times[5:])[len(times[5:]) // 2]
             g = [v for k, v in ver.buckets.graphs.items() if k[0][0] == (0 if tok is None else 4)][0]
             row[f"replay_ms_{n}"] = replay_ms(g.graph)
         res["variants"][label] = row
         print(label, row, flush=True)
-        if label != "cublas":   # kernel times without PDL: with it, a kernel's time
-            # includes waiting on its predecessor, so only the replay total is meaningful
+        if label != "cublas" and a.batch == 1:
+            # kernel times without PDL: with it, a kernel's time includes waiting on its
+            # predecessor, so only the replay total is meaningful
             row["trees"] = tree_profile(ver, pages, roots, a.ctx,
                                         [int(n) for n in a.nodes.split(",")],
                                         out_dir if label == "gemv" else None)
-        cache.release(pages[0])
+        for sp in pages:
+            cache.release(sp)
         del ver
     set_pdl(None)
     (out_dir / "profile.json").write_text(json.dumps(res, indent=1))
