@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from common.errors import InvalidRequest
+from common.vocab_top import scaled_top
 from kernels.dispatch import triton_available
 from kernels.noise import gumbel_noise
 
@@ -139,7 +140,7 @@ def filter_draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     top = _top_on_device(logits, temperature, width)
     if top is not None:
         from kernels.triton_candidates import filter_draw as on_device
-        vals, ids, tok = on_device(*top, temperature, top_k, top_p, min_p, seed, position)
+        vals, ids, tok = on_device(*top[:2], temperature, top_k, top_p, min_p, seed, position)
         return vals, ids, torch.where(temperature > 0, tok, logits.argmax(-1))
     vals, ids = filter_sparse(logits.float(), temperature, top_k, top_p, min_p, width)
     pick = (vals + gumbel_noise(seed, position, ids)).argmax(-1, keepdim=True)
@@ -148,16 +149,17 @@ def filter_draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 
 
 def _top_on_device(logits: torch.Tensor, temperature: torch.Tensor, width: int
-                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(logits / T)'s top-W values and columns [R, W] (T 1 where 0) when the rest is
-    for a Triton kernel: a GPU, 0 < W <= kernels.triton_candidates.MAX_WIDTH."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(logits / T)'s top-W values and columns [R, W] (T 1 where 0) and the logits'
+    log-sum-exp [R] (common.vocab_top.scaled_top), when the rest is for a Triton
+    kernel: a GPU, 0 < W <= kernels.triton_candidates.MAX_WIDTH."""
     if not (0 < width < logits.shape[-1] and triton_available(logits.device)):
         return None
     from kernels.triton_candidates import MAX_WIDTH
     if width > MAX_WIDTH:
         return None
-    x = logits.float() / torch.where(temperature > 0, temperature, 1.0).unsqueeze(-1)
-    return x.topk(width, -1)
+    from kernels import triton_backend
+    return scaled_top(logits, temperature, width, triton_backend)
 
 
 # A drafter's q under rejection sampling: its filtered distribution's DRAFT_Q likeliest
@@ -190,8 +192,8 @@ def draft_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     top = _top_on_device(logits, temperature, width)
     if top is not None:
         from kernels.triton_candidates import score_candidates
-        return score_candidates(*top, logits.float().logsumexp(-1), temperature, top_k, top_p,
-                                min_p, seed, position, rejection, min(DRAFT_Q, width), ids)
+        return score_candidates(*top, temperature, top_k, top_p, min_p, seed, position,
+                                rejection, min(DRAFT_Q, width), ids)
     vals, cols = filter_sparse(logits.float(), temperature, top_k, top_p, min_p, width)
     kept = vals.log_softmax(-1)                              # [R, W], sorted descending
     w, q = kept.shape[-1], min(DRAFT_Q, kept.shape[-1])

@@ -36,6 +36,7 @@ from common.forward_batch import device_forward_batch, padded_chain_batch
 from common.kv_cache import PagedKVCache
 from common.model_paths import resolve_model
 from common.tree import TreeEnvelope, shallower
+from common.vocab_top import CHUNK, top_k
 from draft_service.dflash_head import DFlashHead
 from draft_service.feature_drafter import FeatureDrafter, FeatureSeq
 from draft_service.model_step import scores
@@ -179,32 +180,6 @@ def _greedy_tree(logits: torch.Tensor, env: TreeEnvelope, ops: ModuleType
     par = parent[keep]
     parents = torch.where(par >= 0, pos_of.gather(1, par.clamp(min=0)), -1)
     return ids.view(b, d * k).gather(1, last[keep]).to(torch.int32), parents.to(torch.int32)
-
-
-CHUNK = 128
-
-
-def top_k(x: torch.Tensor, k: int, maxima: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x.topk(k, -1) of x [R, V], exactly, without ranking whole rows (which a GPU's
-    topk over a vocabulary of 151936 does slowly): a row's top k lie in the k CHUNKs of
-    columns with the highest maxima (a chunk holding one of them has a maximum at least
-    that high, and at most k - 1 other chunks can beat it), so only those chunks, and
-    the columns past the last whole chunk, are ranked. maxima: each whole chunk's
-    [R, V // CHUNK], when known."""
-    r, v = x.shape
-    c = v // CHUNK
-    if c <= 4 * k:
-        return x.topk(k, -1)
-    whole = x[:, :c * CHUNK].view(r, c, CHUNK)
-    best = (whole.amax(-1) if maxima is None else maxima).topk(k, -1).indices  # [R, k]
-    cand = whole.gather(1, best.unsqueeze(-1).expand(-1, -1, CHUNK)).flatten(1)
-    cols = (best.unsqueeze(-1) * CHUNK + torch.arange(CHUNK, device=x.device)).flatten(1)
-    if v > c * CHUNK:                                                          # the tail
-        cand = torch.cat([cand, x[:, c * CHUNK:]], 1)
-        cols = torch.cat([cols, torch.arange(c * CHUNK, v, device=x.device).expand(r, -1)], 1)
-    vals, at = cand.topk(k, -1)
-    return vals, cols.gather(1, at)
 
 
 DEVIATIONS = 2

@@ -13,6 +13,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
 from common.errors import InvalidRequest
 from common.sampling import (GREEDY, TOPK_FIRST, SamplingParams, checkpoint_defaults, draw,
                              filter_sparse, filter_width, resolve)
+from common.vocab_top import scaled_top, top_k
+from kernels import reference
 from kernels.noise import gumbel_noise
 
 
@@ -108,3 +110,32 @@ def test_unset_fields_take_the_checkpoints_defaults():
     assert resolve({}, {}).greedy
     assert len({resolve({}, {}).seed for _ in range(5)}) > 1      # unseeded: a seed each
     assert GREEDY.greedy and resolve({"temperature": 0.0}, d).greedy
+
+
+@pytest.mark.parametrize("v", [151936, 4096 + 77])
+def test_top_k_over_chunks_is_exactly_topk(v):
+    """The top-k over the vocabulary ranks only the chunks with the highest maxima (and
+    the tail past the last whole one): topk's values, each from its own column, with
+    the top k spread over chunks, all in one chunk, or in the tail."""
+    torch.manual_seed(v)
+    x = torch.randn(15, v).to(torch.bfloat16)
+    x[:5, 640:644] = 50 + torch.arange(4.0)             # all in one chunk
+    x[5:10, v - 3:] = 60 + torch.arange(3.0)            # in the tail
+    x[10:, ::1000] += 8                                 # one in each of many chunks
+    vals, cols = top_k(x, 4)
+    assert torch.equal(vals, x.topk(4, -1).values)
+    assert torch.equal(x.gather(-1, cols), vals)                # ties: any of the tied columns
+    assert (cols.sort(-1).values.diff(dim=-1) > 0).all()       # each once
+
+
+def test_scaled_top_is_the_top_of_the_tempered_logits():
+    """What a GPU's sampling rows start from: (logits / T)'s top W (T 1 for a greedy
+    row), each value at its column, and the raw logits' log-sum-exp."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(4, 151936)).to(torch.bfloat16)
+    temperature = torch.tensor([0.0, 0.6, 1.0, 1.7])
+    vals, cols, lse = scaled_top(logits, temperature, 64, reference)
+    want = logits.float() / torch.tensor([1.0, 0.6, 1.0, 1.7]).unsqueeze(1)
+    assert torch.equal(vals, want.topk(64, -1).values)
+    assert torch.equal(want.gather(-1, cols), vals)
+    torch.testing.assert_close(lse, logits.float().logsumexp(-1))
