@@ -42,7 +42,8 @@ run)
                    ${TESTS:-tests/test_cuda_graph.py tests/test_eagle3_gpu.py \
                    tests/test_draft_model_gpu.py tests/test_dflash_gpu.py tests/test_triton_kernels.py \
                    tests/test_triton_gemv.py tests/test_triton_ancestors.py tests/test_triton_noise.py \
-                   tests/test_triton_candidates.py tests/test_triton_rejection.py} >>"$log" 2>&1 ;;
+                   tests/test_triton_candidates.py tests/test_triton_rejection.py \
+                   tests/test_triton_vocab.py} >>"$log" 2>&1 ;;
         gemv) timeout "${GEMV_S:-180}" python3 bench/gemv_probe.py --out "$OUT" ${GEMV_ARGS:-} \
                   >>"$log" 2>&1 ;;
         bench) timeout "${BENCH_S:-300}" python3 bench/h200.py --out "$OUT/h200.json" \

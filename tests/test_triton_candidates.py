@@ -65,3 +65,28 @@ def test_draw_kernel_filters_and_draws_as_the_torch_path():
     drawing = params[0] > 0
     assert torch.equal(got[2][drawing], tokens[drawing]) and (got[2][~drawing] == -1).all()
     assert torch.equal(tokens[~drawing], logits[~drawing].argmax(-1))
+
+
+@pytest.mark.skipif(DEV.type != "cuda", reason="the GPU path: CUDA, Triton compiled")
+def test_gpu_sampling_entry_points_give_the_torch_paths_result():
+    """On a GPU, draft_scores and filter_draw take a whole vocabulary's top W from
+    common.vocab_top (chunk maxima and log-sum-exp from kernels.vocab_stats), then the
+    kernels above: the CPU's torch path's columns, values and draws."""
+    g = torch.Generator().manual_seed(7)
+    r, v = 24, 151936
+    logits = torch.randn(r, v, generator=g) * 3
+    params = rows(r, g)
+    on = [p.to(DEV) for p in params]
+    vals, ids, tokens = filter_draw(logits, *params, width=TOPK_FIRST)
+    got = [t.cpu() for t in filter_draw(logits.to(DEV), *on, width=TOPK_FIRST)]
+    assert torch.equal(got[1], ids) and torch.equal(got[2], tokens)
+    torch.testing.assert_close(got[0], vals)
+    rejection = torch.arange(r) % 2 == 1
+    want = draft_scores(logits, *params, rejection, width=TOPK_FIRST)
+    got = [t.cpu() for t in draft_scores(logits.to(DEV), *on, rejection.to(DEV),
+                                         width=TOPK_FIRST)]
+    assert torch.equal(got[2], want[2])
+    for a, b in zip(got[:2], want[:2]):
+        assert torch.equal(a.isinf(), b.isinf())
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[4], want[4], atol=1e-5, rtol=1e-5)
