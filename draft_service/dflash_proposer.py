@@ -12,12 +12,12 @@ layer. One step, batched over sequences, at a fixed shape (one CUDA-graph replay
    BLOCK), its own K/V written as scratch after the context (a later step's
    context overwrites it);
 3. *tree*: the marginals of block positions 1 .. depth. A chain takes each
-   position's best (a sampling row's first pick). A greedy batch's tree is the best
-   num_nodes paths over each position's top-k by summed log-prob, scored all at once
-   (the block drafts positions, not paths); a sampling batch's grows
-   tree_build.Expansion, every frontier node of level l choosing among the same
-   candidates of position l + 1, drawing as the other model drafters do
-   (common.sampling.draft_scores, keyed by the position).
+   position's best (a sampling row's first pick). A tree is the best num_nodes paths
+   over each position's top-k, scored all at once (the block drafts positions, not
+   paths, so every node of level l chooses among the same candidates of position
+   l + 1): by summed log-prob, or for a sampling row by pick rank as
+   tree_build.Expansion scores one, its picks drawn as the other model drafters draw
+   them (common.sampling.draft_scores, keyed by the position).
 
 Rollback is free, as for EAGLE-3: only committed pairs' K/V is ever kept.
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -40,7 +41,6 @@ from common.vocab_top import CHUNK, top_k
 from draft_service.dflash_head import DFlashHead
 from draft_service.feature_drafter import FeatureDrafter, FeatureSeq
 from draft_service.model_step import scores
-from draft_service.tree_build import Expansion
 from kernels.dispatch import select
 from kernels.reference import BLOCK
 
@@ -130,9 +130,6 @@ def block_tree(logits: torch.Tensor, env: TreeEnvelope, n: torch.Tensor,
         return _greedy_tree(logits, env, ops)
     k = env.topk
 
-    def per_node(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x.unsqueeze(1).expand(-1, k, *x.shape[1:])
-
     # every position's scores in one batch: the block drafted them all at once
     at = n.long().unsqueeze(1) + 1 + torch.arange(env.depth, device=logits.device)
     lp, pick, q, cols = scores(logits, sampling, at)                         # [B, D, ...]
@@ -142,22 +139,22 @@ def block_tree(logits: torch.Tensor, env: TreeEnvelope, n: torch.Tensor,
         parents = torch.arange(-1, tokens.shape[1] - 1, device=at.device, dtype=torch.int32)
         return (tokens.to(torch.int32), parents.expand(b, -1),
                 *(x[:, :env.num_nodes] for x in q))
-    exp = Expansion(lp[:, 0], k, env.depth, pick[:, 0], tuple(x[:, 0] for x in q),
-                    static=sampling[0] > 0, root_cols=cols[:, 0])
-    for level in range(1, env.depth):
-        exp.grow(level, per_node(lp[:, level]), per_node(pick[:, level]),
-                 tuple(per_node(x[:, level]) for x in q), per_node(cols[:, level]))
-    t, p, _, *q = exp.rerank(env.num_nodes)
-    return (t, p, *q)
+    # a sampling row's i-th pick scores ln 0.8 + i ln 0.2 whatever its token, as in
+    # tree_build.Expansion: its tree's shape never depends on what was drawn
+    b, d, dev = lp.shape[0], env.depth, logits.device
+    top = pick.topk(k, -1).indices                                          # [B, D, k]
+    rank = math.log(0.8) + math.log(0.2) * torch.arange(k, device=dev)
+    cost = torch.where((sampling[0] > 0).view(-1, 1, 1), -rank, -lp.float().gather(-1, top))
+    last, parents = _best_paths(cost, env.num_nodes)
+    level = (last // k).unsqueeze(-1)           # a node's q: its position's, its siblings'
+    return (cols.gather(-1, top).view(b, d * k).gather(1, last).to(torch.int32), parents,
+            *(x.gather(1, level.expand(-1, -1, x.shape[-1])) for x in q))
 
 
 def _greedy_tree(logits: torch.Tensor, env: TreeEnvelope, ops: ModuleType
                  ) -> tuple[torch.Tensor, ...]:
     """block_tree of a batch that does not sample, in a fixed handful of ops: a chain is
-    the argmax of every position; a tree is the best num_nodes of every path that
-    leaves each position's argmax at most DEVIATIONS times for one of its top-k, by
-    summed log-prob (the block drafts positions, not paths, so a path's score is its
-    positions' sum, and no level waits on the last)."""
+    the argmax of every position; a tree is _best_paths by summed log-prob."""
     b, d, _ = logits.shape
     k, dev = env.topk, logits.device
     if k == 1:
@@ -166,20 +163,29 @@ def _greedy_tree(logits: torch.Tensor, env: TreeEnvelope, ops: ModuleType
     flat = logits.reshape(b * d, -1)
     lse, maxima = ops.vocab_stats(flat, CHUNK)              # no log-probability tensor
     top, ids = top_k(flat, k, maxima)
-    lp, ids = (top.float() - lse.unsqueeze(1)).view(b, d, k), ids.view(b, d, k)
-    cols, parent, last = _paths(d, k, dev)                                  # [M, D], [M], [M]
-    cost = torch.cat([(-lp).nan_to_num(nan=float("inf")).clamp(min=0).view(b, d * k),
-                      lp.new_zeros(b, 1)], 1)                               # [B, D*k + 1]
+    last, parents = _best_paths(-(top.float() - lse.unsqueeze(1)).view(b, d, k), env.num_nodes)
+    return ids.view(b, d * k).gather(1, last).to(torch.int32), parents
+
+
+def _best_paths(cost: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best num_nodes of every path that leaves each position's choice 0 at most
+    DEVIATIONS times, by summed cost (cost [B, D, k] of each position's k choices; the
+    block drafts positions, not paths, so a path's cost is its positions' sum and no
+    level waits on the last), best first: each one's last choice as a column of
+    [D * k] and its parent's index (-1: the root) [B, N]."""
+    b, d, k = cost.shape
+    cols, parent, last = _paths(d, k, cost.device)                          # [M, D], [M], [M]
+    flat = torch.cat([cost.nan_to_num(nan=float("inf")).clamp(min=0).view(b, d * k),
+                      cost.new_zeros(b, 1)], 1)                             # [B, D*k + 1]
     # each path's costs in one row (0 past its end): a child's row is its parent's plus
     # one cost >= 0, so it never outscores its parent and, tied, sorts after it
-    score = -cost[:, cols].sum(-1)                                          # [B, M]
-    keep = score.sort(dim=1, descending=True, stable=True).indices[:, :env.num_nodes]
-    n = env.num_nodes
+    score = -flat[:, cols].sum(-1)                                          # [B, M]
+    keep = score.sort(dim=1, descending=True, stable=True).indices[:, :num_nodes]
     pos_of = torch.full_like(score, -1, dtype=torch.long).scatter_(
-        1, keep, torch.arange(n, device=dev).expand(b, n))
+        1, keep, torch.arange(num_nodes, device=cost.device).expand(b, num_nodes))
     par = parent[keep]
     parents = torch.where(par >= 0, pos_of.gather(1, par.clamp(min=0)), -1)
-    return ids.view(b, d * k).gather(1, last[keep]).to(torch.int32), parents.to(torch.int32)
+    return last[keep], parents.to(torch.int32)
 
 
 DEVIATIONS = 2
@@ -189,7 +195,9 @@ DEVIATIONS = 2
 def _paths(depth: int, k: int, device: torch.device
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every path of 1 .. depth positions taking each position's argmax (choice 0) but
-    at most DEVIATIONS times one of its other top-k, shortest first: for each, the
+    at most DEVIATIONS times one of its other top-k, shortest first, then those that
+    leave it later first (tied, they win: as in tree_build.Expansion, where the
+    cheaper parent's children come first): for each, the
     column of each position's choice in a flat [depth * k + 1] cost table (depth * k,
     the zero, past the path's end), its parent's index (-1: the root's child) and its
     last choice's column, on device (made once, before any graph capture: the warm-up
@@ -197,7 +205,8 @@ def _paths(depth: int, k: int, device: torch.device
     index: dict[tuple[int, ...], int] = {}
     for length in range(1, depth + 1):
         for dev in itertools.chain.from_iterable(
-                itertools.combinations(range(length), m) for m in range(DEVIATIONS + 1)):
+                itertools.combinations(range(length - 1, -1, -1), m)
+                for m in range(DEVIATIONS + 1)):
             for picks in itertools.product(range(1, k), repeat=len(dev)):
                 path = [0] * length
                 for at, c in zip(dev, picks):

@@ -23,9 +23,10 @@ from common.forward_batch import build_forward_batch, chain_chunk
 from common.kv_cache import SeqPages
 from common.model_paths import SHIPPED_DIR
 from common.qwen3 import Qwen3Model
+from common.sampling import GREEDY, SamplingParams, as_tensors
 from common.tree import PRESETS, ROOT, envelope_from, validate_tree
 from draft_service.config import DraftConfig
-from draft_service.dflash_proposer import DFlashProposer, _greedy_tree
+from draft_service.dflash_proposer import DFlashProposer, _greedy_tree, block_tree
 from inproc import greedy_reference, services
 from kernels import reference as ops
 from tests_data import tp
@@ -209,6 +210,29 @@ def test_greedy_tree_holds_the_best_paths_by_summed_log_prob():
                 path, at = [tokens[b, at].item()] + path, parents[b, at].item()
             got.add(tuple(path))
         assert got == want
+
+
+def test_a_sampling_rows_tree_has_one_shape_whatever_it_drew():
+    """A sampling row's nodes score by their pick's rank (as tree_build.Expansion's
+    static rows), so its tree's parents are the same whatever the logits and the draw;
+    a rejection row's node is among its q's ids (its position's); a greedy row beside
+    them gets the greedy tree."""
+    env = envelope_from(depth=4, topk=3, num_nodes=8)
+    params = [SamplingParams(temperature=0.8, seed=5),
+              SamplingParams(temperature=1.2, top_k=10, seed=9), GREEDY]
+    sampling = [*as_tensors(params, torch.device("cpu")), torch.tensor([True, False, False]),
+                -1]
+    shapes = set()
+    for seed in range(3):
+        logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(seed))
+        tokens, parents, q_ids, q_probs = block_tree(logits, env, torch.tensor([7, 3, 5]),
+                                                     sampling, ops)
+        assert validate_tree(tokens, parents, env.num_nodes, 50, q_ids, q_probs) is None
+        shapes.add(tuple(parents[:2].flatten().tolist()))
+        assert all(tokens[0, i] in q_ids[0, i] for i in range(env.num_nodes))
+        want = _greedy_tree(logits[2:], env, ops)
+        assert torch.equal(tokens[2:], want[0]) and torch.equal(parents[2:], want[1])
+    assert len(shapes) == 1
 
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 1, 5, 9, 13], [3, 4, 5, 6], [10, 20, 30, 40, 50, 60, 70]]

@@ -15,12 +15,15 @@ import asyncio
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 from transformers import Qwen3ForCausalLM
 from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
                                                     TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from common.client import AsyncTreespecClient
+from common.model_paths import resolve_model
+from draft_service import dflash_proposer
 from inproc import services
 from kernels import reference
 from test_dflash import dflash_small  # noqa: F401  (fixture)
@@ -50,10 +53,10 @@ def warpers(s: dict) -> LogitsProcessorList:
 
 
 @torch.no_grad()
-def exact_marginals(target_dir, s: dict) -> list[torch.Tensor]:
+def exact_marginals(target_dir, s: dict, prompt: list[int] = PROMPT) -> list[torch.Tensor]:
     """P(token at generated position k) for k = 1..POSITIONS, summed over prefixes."""
     model = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    prefixes = torch.tensor([PROMPT])                      # every prefix so far
+    prefixes = torch.tensor([prompt])                      # every prefix so far
     weight = torch.ones(1, dtype=torch.float64)            # and its probability
     out = []
     for _ in range(POSITIONS):
@@ -92,7 +95,7 @@ def bh_rejects(pvalues: list[float], q: float = 0.05) -> int:
 
 
 async def _draws(target_dir, draft, method: str, s: dict, acceptance: str,
-                 envelope: str) -> list[list[int]]:
+                 envelope: str, prompt: list[int]) -> list[list[int]]:
     kw = {"target_embeddings": str(target_dir)} if method == "dflash" else {}
     async with services(target_dir, method, draft, envelope, max_batch=64, num_blocks=2048,
                         acceptance=acceptance, draft_kw=kw) as h:
@@ -100,19 +103,19 @@ async def _draws(target_dir, draft, method: str, s: dict, acceptance: str,
             outs = []
             for first in range(SEED0, SEED0 + SAMPLES, 300):
                 outs += await asyncio.gather(*[
-                    c.generate(prompt_ids=PROMPT, max_tokens=POSITIONS, ignore_eos=True,
+                    c.generate(prompt_ids=prompt, max_tokens=POSITIONS, ignore_eos=True,
                                seed=seed, **s) for seed in range(first, first + 300)])
             assert sum(o.stats["accepted_tokens"] for o in outs) > 0
             return [o.token_ids for o in outs]
 
 
 def pvalues(target_dir, draft, method: str, acceptance: str, envelope: str,
-            settings: list[dict]) -> list[float]:
+            settings: list[dict], prompt: list[int] = PROMPT) -> list[float]:
     out = []
     for s in settings:
         draws = torch.tensor(asyncio.run(_draws(target_dir, draft, method, s, acceptance,
-                                                envelope)))
-        for k, p in enumerate(exact_marginals(target_dir, s)):
+                                                envelope, prompt)))
+        for k, p in enumerate(exact_marginals(target_dir, s, prompt)):
             out.append(chi_square_p(torch.bincount(draws[:, k], minlength=p.shape[0]), p))
     return out
 
@@ -176,3 +179,30 @@ def test_the_test_rejects_rejection_sampling_without_the_check(target_dir, draft
                         lambda seed, position, siblings: torch.zeros(seed.shape[0], siblings))
     assert bh_rejects(pvalues(target_dir, draft_dir, "model", "rejection", "tree-small",
                               SETTINGS[:1])) > 0
+
+
+def shipped_dflash_pvalues() -> list[float]:
+    """Rejection sampling on DFlash's default tree (block16-tree) with the shipped
+    tiny-code target and its trained drafter, on code: about half the drafted positions
+    are accepted there, where dflash_small (random) has ~1 % accepted, too few for a
+    wrong q to show."""
+    target, draft = resolve_model("tiny-code"), resolve_model("tiny-code-dflash")
+    prompt = Tokenizer.from_file(str(target / "tokenizer.json")).encode(
+        "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\ndef").ids
+    return pvalues(target, draft, "dflash", "rejection", "block16-tree", SETTINGS[1:2], prompt)
+
+
+def test_a_trained_dflash_trees_samples_follow_the_exact_distribution():
+    assert bh_rejects(shipped_dflash_pvalues()) == 0
+
+
+def test_the_test_rejects_a_dflash_tree_with_the_wrong_q(monkeypatch):
+    """Each node's q flattened (its square root; the verify renormalizes it): not the
+    distribution the draft drew the node's siblings from."""
+    real = dflash_proposer.block_tree
+
+    def flattened(*a):
+        t = real(*a)
+        return (*t[:3], t[3].sqrt()) if len(t) == 4 else t
+    monkeypatch.setattr(dflash_proposer, "block_tree", flattened)
+    assert bh_rejects(shipped_dflash_pvalues()) > 0
