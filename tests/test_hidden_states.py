@@ -106,9 +106,15 @@ def test_hidden_states_of_committed_tokens_travel_once(target_dir, rows_a_step, 
     assert out.stats["accepted_tokens"] > 0
     # 9 rows after the prefill (8 prompt tokens and the first) at 5 a step: one plain
     # step while they cross (its request is not waited for: the next step may find the
-    # draft still busy with it); after it a step brings at most depth + 1 = 5 rows
-    assert fallbacks.pop("syncing", 0) == (1 if rows_a_step or catch_up else 0)
-    assert set(fallbacks) <= ({"busy"} if rows_a_step or catch_up else set())
+    # draft still busy with it, and then commits a token more, so the next request may
+    # have 6 rows to send and sync once more); after that a step brings at most
+    # depth + 1 = 5 rows
+    syncing, busy = fallbacks.pop("syncing", 0), fallbacks.pop("busy", 0)
+    if rows_a_step or catch_up:
+        assert 1 <= syncing <= 1 + min(busy, 1), (syncing, busy)
+    else:
+        assert syncing == busy == 0
+    assert not fallbacks
     (sid, toks), = rec.tokens.items()
     rows = torch.cat(rec.rows[sid])                            # [len(toks), 2 * hidden]
     assert rows.shape[0] == len(toks) and toks == (prompt + ref)[:len(toks)]
