@@ -287,7 +287,7 @@ def test_training_rows_hold_independent_blocks(dflash_dir, target4):
 def test_training_soft_loss_reads_the_targets_distribution_of_each_blocks_token(dflash_dir):
     """block_loss's soft share scores position k against the target's logits at a + k - 1
     (its distribution of x_{a+k}): target logits peaked on each next token give the
-    token's loss; peaked one position off, or taking another position's, they do not."""
+    token's loss; peaked one position late, they do not."""
     model = D.DFlashDrafter(json.loads((dflash_dir / "config.json").read_text()))
     model.load_state_dict(load_file(str(dflash_dir / "model.safetensors")))
     g = torch.Generator().manual_seed(5)
