@@ -143,13 +143,12 @@ def block_loss(model: DFlashDrafter, feats: torch.Tensor, tokens: torch.Tensor,
     truth = tokens.gather(1, at.view(r, -1)).view(r, blocks, sl)
     block = torch.cat([truth[..., :1], torch.full_like(truth[..., 1:], model.mask_token_id)], -1)
     logits = model(feats, anchors, block, embed, lm_head)                      # [R, K, S-1, V]
-    ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 2),
-                                           truth[..., 1:].flatten(), reduction="none")
+    logp = logits.float().flatten(0, 2).log_softmax(-1)                       # [R*K*(S-1), V]
+    ce = -logp.gather(1, truth[..., 1:].reshape(-1, 1)).squeeze(1)
     if soft:                    # the target's logits at a + k - 1 predict x_{a+k}
         z = target_logits.gather(1, at[..., :-1].reshape(r, -1, 1).expand(
             -1, -1, target_logits.shape[-1])).view_as(logits)
-        p = z.float().softmax(-1).flatten(0, 2)
-        ce = (1 - soft) * ce - soft * (p * logits.float().flatten(0, 2).log_softmax(-1)).sum(-1)
+        ce = (1 - soft) * ce - soft * (z.float().softmax(-1).flatten(0, 2) * logp).sum(-1)
     weight = torch.exp(-torch.arange(sl - 1, device=dev, dtype=torch.float32) / gamma)
     return (ce.view(r, blocks, sl - 1) * weight).sum(-1).mean() / weight.sum()
 
