@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from bench import shapes  # noqa: E402
 from bench.inproc_bench import copy_bandwidth, cuda_ms, random_trees, replay_ms  # noqa: E402
 from common.devices import pick_device  # noqa: E402
+from common.graph_buckets import bucket  # noqa: E402
 from common.kv_cache import SeqPages  # noqa: E402
 from common.tree import TreeBatch  # noqa: E402
 from common.model_config import Qwen3Spec  # noqa: E402
@@ -153,7 +154,9 @@ def main() -> None:
                 for sp in pages:                # back to the prompt: same context every step
                     sp.kv_len = a.ctx
             row[f"wall_ms_{n}"] = 1000 * sorted(times[5:])[len(times[5:]) // 2]
-            g = [v for k, v in ver.buckets.graphs.items() if k[0][0] == (0 if tok is None else 4)][0]
+            # the step's own batch bucket (a first capture makes every bucket up to it)
+            g = [v for k, v in ver.buckets.graphs.items()
+                 if k[0][0] == (0 if tok is None else 4) and k[1] == bucket(a.batch)][0]
             row[f"replay_ms_{n}"] = replay_ms(g.graph)
         res["variants"][label] = row
         print(label, row, flush=True)

@@ -217,12 +217,10 @@ def test_dflash_trains_against_an_existing_target_and_serves(trained, tmp_path):
     assert cfg["num_hidden_layers"] == len(cfg["dflash_config"]["target_layer_ids"]) == 2
     head = DFlashHead.from_pretrained(path, trained / "tiny-code")
     assert head.spec.capture_layers == tuple(i + 1 for i in cfg["dflash_config"]["target_layer_ids"])
-    # --dflash-init goes on from that drafter (at learning rate 0 it stays that drafter;
-    # the soft loss's path runs)
+    # --dflash-init goes on from that drafter (at learning rate 0 it stays that drafter)
     again = tmp_path / "again"
     proc = subprocess.run(cmd[:3] + [str(again)] + cmd[4:] + [
-        "--dflash-init", str(path), "--dflash-lr", "0", "--gen-mix", "1.0",
-        "--dflash-soft", "0.5"],
+        "--dflash-init", str(path), "--dflash-lr", "0", "--gen-mix", "1.0"],
         capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     was, now = (load_file(str(d / "tiny-code-dflash" / "model.safetensors"))

@@ -127,15 +127,12 @@ class DFlashDrafter(nn.Module):
 
 def block_loss(model: DFlashDrafter, feats: torch.Tensor, tokens: torch.Tensor,
                embed: torch.Tensor, lm_head: torch.Tensor, blocks: int, gamma: float,
-               gen: torch.Generator, low: int = 1, target_logits: torch.Tensor | None = None,
-               soft: float = 0.0) -> torch.Tensor:
+               gen: torch.Generator, low: int = 1) -> torch.Tensor:
     """Masked-block prediction on windows tokens [R, W] with the target's features
     feats [R, W, F]: `blocks` random anchors a per row (block [x_a, mask, ...], context
     f_0 .. f_{a-1}), a >= low, cross-entropy of positions 1 .. S-1 against x_{a+1} ..,
     weighted exp(-(k - 1) / gamma) toward the early positions (those every accepted
-    prefix needs). soft: the share of that cross-entropy taken against the target's
-    own distribution of x_{a+k} (target_logits [R, W, V], its next-token logits), the
-    rest against the token."""
+    prefix needs)."""
     r, w = tokens.shape
     sl, dev = model.block_size, tokens.device
     anchors = torch.randint(low, w - sl + 1, (r, blocks), generator=gen).to(dev)  # [R, K]
@@ -143,12 +140,8 @@ def block_loss(model: DFlashDrafter, feats: torch.Tensor, tokens: torch.Tensor,
     truth = tokens.gather(1, at.view(r, -1)).view(r, blocks, sl)
     block = torch.cat([truth[..., :1], torch.full_like(truth[..., 1:], model.mask_token_id)], -1)
     logits = model(feats, anchors, block, embed, lm_head)                      # [R, K, S-1, V]
-    logp = logits.float().flatten(0, 2).log_softmax(-1)                       # [R*K*(S-1), V]
-    ce = -logp.gather(1, truth[..., 1:].reshape(-1, 1)).squeeze(1)
-    if soft:                    # the target's logits at a + k - 1 predict x_{a+k}
-        z = target_logits.gather(1, at[..., :-1].reshape(r, -1, 1).expand(
-            -1, -1, target_logits.shape[-1])).view_as(logits)
-        ce = (1 - soft) * ce - soft * (z.float().softmax(-1).flatten(0, 2) * logp).sum(-1)
+    ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 2),
+                                           truth[..., 1:].flatten(), reduction="none")
     weight = torch.exp(-torch.arange(sl - 1, device=dev, dtype=torch.float32) / gamma)
     return (ce.view(r, blocks, sl - 1) * weight).sum(-1).mean() / weight.sum()
 

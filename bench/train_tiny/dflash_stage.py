@@ -7,8 +7,7 @@ Data: windows of the training text and the target's greedy continuations of trai
 prompts (``gen_mix`` of the steps), as for the draft and the EAGLE-3 head. Each step
 draws ``dflash_anchors`` random anchors a per window: block [x_a, mask x (B - 1)], the
 context the target's features at positions < a, cross-entropy of positions 1 .. B-1
-weighted toward the early ones (against the tokens, or a ``dflash_soft`` share against
-the target's distributions). The held-out report is the teacher-forced tokens per
+weighted toward the early ones. The held-out report is the teacher-forced tokens per
 step of a greedy chain on the target's continuations of held-out prompts (windows inside
 the files, and the files' starts, which are bench-accept's prompts), walked as serving
 walks.
@@ -91,9 +90,8 @@ def run_dflash(s: Settings) -> dict:
         # a generated sequence's blocks lie in its continuation: serving drafts the
         # target's own tokens, not the text its prompt came from
         low = s.gen_prompt_len - 1 if batches.generated(step) else 1
-        z, feats = tap(b, logits=s.dflash_soft > 0)
-        return DF.block_loss(model, feats, b, embed, head, s.dflash_anchors, s.dflash_gamma,
-                             gen, low, z, s.dflash_soft)
+        return DF.block_loss(model, tap(b, logits=False)[1], b, embed, head, s.dflash_anchors,
+                             s.dflash_gamma, gen, low)
 
     def report() -> str:
         return ("greedy block-{} chain, tokens/step: windows {:.3f}, file starts {:.3f}"

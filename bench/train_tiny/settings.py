@@ -57,7 +57,6 @@ class Settings:
     dflash_block: int = 16
     dflash_anchors: int = 8             # blocks drawn per training window
     dflash_gamma: float = 7.0           # loss weight exp(-(k - 1) / gamma) at block position k
-    dflash_soft: float = 0.0            # share of the loss against the target's distribution
     dflash_init: str | None = None      # a DFlash drafter to go on training from
     dflash_stage: StageSettings = StageSettings(steps=3000, batch=32, lr=2e-3, warmup=100,
                                                 budget_share=0.8)
@@ -138,9 +137,6 @@ def parse_args(argv: list[str] | None = None) -> Settings:
                    help="DFlash blocks drawn per training window")
     p.add_argument("--dflash-gamma", type=float, default=None,
                    help="DFlash loss weight decay over block positions")
-    p.add_argument("--dflash-soft", type=float, default=None,
-                   help="DFlash: share of the loss against the target's next-token "
-                        "distribution (the rest against the token)")
     p.add_argument("--dflash-init", default=None,
                    help="with --only dflash: go on training this DFlash drafter")
     p.add_argument("--eval-prompts", type=int, default=None)
@@ -173,8 +169,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     if a.dflash_lr is not None:
         s = replace(s, dflash_stage=replace(s.dflash_stage, lr=a.dflash_lr))
     for name in ("gen_seqs", "gen_mix", "gen_starts", "dflash_init", "dflash_layers",
-                 "dflash_anchors", "dflash_gamma", "dflash_soft", "eval_prompts", "log_every",
-                 "eval_every"):
+                 "dflash_anchors", "dflash_gamma", "eval_prompts", "log_every", "eval_every"):
         if getattr(a, name) is not None:
             s = replace(s, **{name: getattr(a, name)})
     return s
