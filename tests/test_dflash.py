@@ -310,22 +310,3 @@ def test_shipped_drafter_speculates_on_the_shipped_target():
     assert out.token_ids == greedy_reference(target, prompt, 32)
     s = out.stats
     assert (s["accepted_tokens"] + s["steps"]) / s["steps"] > 1.5
-
-
-def test_a_grown_drafter_starts_as_the_one_it_grew_from(dflash_dir, target4):
-    """--dflash-init with more --dflash-layers: the extra layers start as the identity, so
-    the grown drafter's logits are the trained one's; one with fewer layers is refused."""
-    cfg = json.loads((dflash_dir / "config.json").read_text())
-    state = load_file(str(dflash_dir / "model.safetensors"))
-    small, big = D.DFlashDrafter(cfg), D.DFlashDrafter(dict(cfg, num_hidden_layers=3))
-    small.load_state_dict(state)
-    D.load_grown(big, state)
-    f = torch.randn(1, 12, len(LAYER_IDS) * 64)
-    emb, head = torch.randn(96, 64), torch.randn(96, 64)
-    block = torch.tensor([[[3] + [95] * (BLOCK - 1)]])
-    with torch.no_grad():
-        torch.testing.assert_close(big(f, torch.tensor([[12]]), block, emb, head),
-                                   small(f, torch.tensor([[12]]), block, emb, head))
-    assert big.layers[2].self_attn.q_proj.weight.abs().sum() > 0      # trainable, not dead
-    with pytest.raises(ValueError, match="does not fit"):
-        D.load_grown(D.DFlashDrafter(dict(cfg, num_hidden_layers=1)), state)

@@ -193,22 +193,6 @@ def drafter_config(target_cfg: dict, layers: int, block_size: int, mask_token_id
     return cfg
 
 
-def load_grown(model: DFlashDrafter, state: dict[str, torch.Tensor]) -> None:
-    """Load a trained drafter's tensors into `model`, which may have more layers: each
-    extra layer starts as the identity (zero o_proj and down_proj, so the residual
-    stream passes through), so training goes on from the trained drafter's outputs."""
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()},
-                                                strict=False)
-    have = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers."))
-    if unexpected or any(not k.startswith("layers.") or int(k.split(".")[1]) < have
-                         for k in missing):
-        raise ValueError(f"--dflash-init does not fit: missing {missing}, extra {unexpected}")
-    with torch.no_grad():
-        for layer in model.layers[have:]:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-
-
 def save_drafter(model: DFlashDrafter, path: Path, dtype: torch.dtype) -> None:
     """config.json and model.safetensors in z-lab's layout."""
     path.mkdir(parents=True, exist_ok=True)

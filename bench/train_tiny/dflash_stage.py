@@ -58,14 +58,12 @@ def run_dflash(s: Settings) -> dict:
 
     tcfg = target.config.to_dict()
     ids = default_layer_ids(tcfg["num_hidden_layers"], s.dflash_layers)
-    if s.dflash_init:                  # go on from a drafter trained before: its features
-        init_cfg = json.loads((Path(s.dflash_init) / "config.json").read_text())
-        ids = init_cfg["dflash_config"]["target_layer_ids"]
     cfg = DF.drafter_config(tcfg, s.dflash_layers, s.dflash_block,
                             mask_token_id=tcfg["vocab_size"] - 1, layer_ids=ids)
     model = DF.DFlashDrafter(cfg)
-    if s.dflash_init:
-        DF.load_grown(model, load_file(str(Path(s.dflash_init) / "model.safetensors")))
+    if s.dflash_init:                  # go on from a drafter trained before
+        model.load_state_dict({k: v.float() for k, v in
+                               load_file(str(Path(s.dflash_init) / "model.safetensors")).items()})
     model = model.to(dev)
     tap = D.TargetTap(target, [i + 1 for i in ids])
     embed = target.model.embed_tokens.weight.detach()
