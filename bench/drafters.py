@@ -47,7 +47,7 @@ HIDDEN = ("treespec:draft_hidden_state_bytes_total", "treespec:draft_hop_seconds
 DRAFT = ("treespec:draft_step_seconds_sum", "treespec:draft_step_seconds_count",
          "treespec:draft_propose_seconds_sum")
 # what a plain run keeps: tok/s, the step and its forward (ms), the forward's tail
-PLAIN_KEYS = ("tok_s", "step_ms", "verify_ms", "verify_over_ms")
+PLAIN_KEYS = ("tok_s", "step_ms", "verify_ms", "step_over_ms", "verify_over_ms")
 CONFIGS = ("ngram:chain4,ngram:tree-small,model:chain4,model:tree-small,"
            "eagle3:chain4,eagle3:tree-small")
 
@@ -85,8 +85,8 @@ async def _connected(addr: str, proposer: str, timeout: float = 600.0) -> None:
 
 def row(r: dict, ids: list[list[int]], plain: dict, before: dict, after: dict) -> dict:
     keep = ("tok_s", "tokens_per_step", "step_ms", "hop_ms", "hop_draft_ms", "verify_ms",
-            "prefill_ms", "fallback_steps", "tok_s_runs", "hop_over_ms", "verify_over_ms",
-            "budget_steps", "budget_step_ms")
+            "prefill_ms", "fallback_steps", "tok_s_runs", "step_over_ms", "hop_over_ms",
+            "verify_over_ms", "budget_steps", "budget_step_ms")
     return {**{k: r[k] for k in keep if k in r},
             "over_plain": r["tok_s"] / plain["tok_s"],
             "fallbacks": {k: v - before.get(k, 0.0) for k, v in after.items()

@@ -15,9 +15,11 @@ STEP_PARTS = {"step": "treespec:step_seconds", "hop": "treespec:draft_hop_second
               **{f"hop_{p}": f"{HOP_PART}|{p}" for p in HOP_PARTS},
               "verify": "treespec:verify_forward_seconds",
               "prefill": "treespec:prefill_seconds"}     # per admission, not per step
-# histograms read by bucket (cumulative counts by bound): the hop's, the forward's, and the
-# controller's depth per step (how many steps it ran plain and at each budget)
-BUCKETED = {"hop_le": STEP_PARTS["hop"], "verify_le": STEP_PARTS["verify"],
+# histograms read by bucket (cumulative counts by bound): the step's, the hop's, the
+# forward's, and the controller's depth per step (how many steps it ran plain and at each
+# budget)
+BUCKETED = {"step_le": STEP_PARTS["step"], "hop_le": STEP_PARTS["hop"],
+            "verify_le": STEP_PARTS["verify"],
             "budget_le": "treespec:spec_budget_depth"}
 BUDGET_S = "treespec:spec_budget_seconds_total"          # labelled {budget}: whole steps' time
 
@@ -68,11 +70,13 @@ def step_breakdown(before: dict, after: dict) -> dict[str, float]:
             out[k + "_ms"] = 1000 * (after[k][0] - before[k][0]) / (after[k][1] - before[k][1])
     if "step_ms" in out:
         out["rest_ms"] = out["step_ms"] - out.get("hop_ms", 0.0) - out.get("verify_ms", 0.0)
-    # the tails: the share of hops longer than 1 .. 32 ms (a mean of 0.8 ms can be every
+    # the tails: the share of whole steps longer than 16 .. 128 ms (a row's plain steps
+    # dearer than plain decode's on every step, or a few stalls), of hops longer than 1 .. 32 ms (a mean of 0.8 ms can be every
     # hop near it, or a few stalls over a fast majority; at b32 a mean of 9 ms, every hop
     # near it or a few that carried prompts' hidden states), and of forwards longer than
     # 16 .. 128 ms (whether a row's forward is slower than plain's on every step or on a few)
-    for key, les in (("hop", (0.001, 0.002, 0.004, 0.008, 0.016, 0.032)),
+    for key, les in (("step", (0.016, 0.032, 0.064, 0.128)),
+                     ("hop", (0.001, 0.002, 0.004, 0.008, 0.016, 0.032)),
                      ("verify", (0.016, 0.032, 0.064, 0.128))):
         b, a = before.get(key + "_le", {}), after.get(key + "_le", {})
         n = a.get(float("inf"), 0.0) - b.get(float("inf"), 0.0)

@@ -135,7 +135,9 @@ def test_drafters_bench_runs_end_to_end_at_a_tiny_shape(benches):
         assert rows["1"]["paired_turns"] == [rows["1"]["over_plain_paired"]]
         plain = rows["1"]["paired_plain"][0]      # that turn's plain run, draft attached
         assert plain["tok_s"] > 0 and plain["step_ms"] >= plain["verify_ms"] > 0
-        assert list(plain["verify_over_ms"]) == ["16", "32", "64", "128"]
+        assert list(plain["verify_over_ms"]) == list(plain["step_over_ms"]) == [
+            "16", "32", "64", "128"]
+        assert 0 <= plain["step_over_ms"]["128"] <= plain["step_over_ms"]["16"] <= 1
     rand, shadow = r["rows"]["eagle3:chain4:random"]["1"], r["rows"]["eagle3:chain4:shadow"]["1"]
     raw = r["rows"]["eagle3:chain4:shadowraw"]["1"]
     assert rand["lossless"] and shadow["lossless"] and raw["lossless"]
