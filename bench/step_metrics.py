@@ -71,10 +71,11 @@ def step_breakdown(before: dict, after: dict) -> dict[str, float]:
     if "step_ms" in out:
         out["rest_ms"] = out["step_ms"] - out.get("hop_ms", 0.0) - out.get("verify_ms", 0.0)
     # the tails: the share of whole steps longer than 16 .. 128 ms (a row's plain steps
-    # dearer than plain decode's on every step, or a few stalls), of hops longer than 1 .. 32 ms (a mean of 0.8 ms can be every
-    # hop near it, or a few stalls over a fast majority; at b32 a mean of 9 ms, every hop
-    # near it or a few that carried prompts' hidden states), and of forwards longer than
-    # 16 .. 128 ms (whether a row's forward is slower than plain's on every step or on a few)
+    # dearer than plain decode's on every step, or a few stalls), of hops longer than
+    # 1 .. 32 ms (a mean of 0.8 ms can be every hop near it, or a few stalls over a fast
+    # majority; at b32 a mean of 9 ms, every hop near it or a few that carried prompts'
+    # hidden states), and of forwards longer than 16 .. 128 ms (whether a row's forward
+    # is slower than plain's on every step or on a few)
     for key, les in (("step", (0.016, 0.032, 0.064, 0.128)),
                      ("hop", (0.001, 0.002, 0.004, 0.008, 0.016, 0.032)),
                      ("verify", (0.016, 0.032, 0.064, 0.128))):
