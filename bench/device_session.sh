@@ -19,7 +19,8 @@ WHEELS=(grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0
         opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2
         opentelemetry-exporter-otlp-proto-grpc==1.45.2
         opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-proto==1.45.2
-        opentelemetry-semantic-conventions==0.66b2 googleapis-common-protos prometheus-client)
+        opentelemetry-semantic-conventions==0.66b2 googleapis-common-protos prometheus-client
+        py-spy==0.4.3)      # a binary wheel, for the pyspy step: where a row's host time goes
 
 case "${1:-}" in
 fetch)
@@ -52,6 +53,16 @@ run)
                       --out "$OUT/drafters.json" --work /tmp/bw-drafters ${DRAFTERS_ARGS:-} \
                       >>"$log" 2>&1
                   tail -n 120 /tmp/bw-drafters/*.log >"$OUT/services.log" 2>&1 ;;
+        pyspy)  # the drafters step under py-spy, every process sampled: collapsed stacks
+                # (`--format raw`, read by bench/pyspy_top.py), each service's host time by
+                # function; without py-spy (no ptrace there) the plain drafters step
+            spy=(/tmp/site/bin/py-spy record --subprocesses --rate "${PYSPY_RATE:-250}"
+                 --format raw -o "$OUT/pyspy.txt" --)
+            "${spy[@]}" python3 -c "import time; time.sleep(1)" >>"$log" 2>&1 || spy=()
+            timeout -s INT -k 30 "${PYSPY_S:-400}" "${spy[@]}" python3 bench/drafters.py \
+                --out "$OUT/drafters.json" --work /tmp/bw-drafters ${DRAFTERS_ARGS:-} \
+                >>"$log" 2>&1
+            gzip -f "$OUT/pyspy.txt" ;;
         dstep) timeout "${DSTEP_S:-240}" python3 bench/drafter_step.py \
                    --out "$OUT/drafter_step.json" --work /tmp/bw-drafters ${DSTEP_ARGS:-} \
                    >>"$log" 2>&1 ;;

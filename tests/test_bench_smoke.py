@@ -190,3 +190,22 @@ def test_replay_finds_a_prompt_that_arrives_in_parts():
     rp.update(1, prompt, 12, [], None)
     rp.update(1, prompt + cont[:1], 1, [], None)
     assert rp.propose([1]).tokens[0].tolist() == cont[1:5]
+
+
+def test_pyspy_top_reads_each_process_under_its_own_command(tmp_path):
+    """bench/pyspy_top.py: a child's stacks nest under its parent's process frame; each
+    is counted for the innermost process, the project's frames inclusive and self."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from pyspy_top import parse
+    raw = tmp_path / "pyspy.txt"
+    raw.write_text(
+        'process 1:"bench";process 2:"verify";run (verify_service/server.py:3);'
+        'finish (verify_service/verifier.py:9);clone (torch/x.py:1) 30\n'
+        'process 1:"bench";process 2:"verify";run (verify_service/server.py:3) 10\n'
+        'process 1:"bench";main (bench/drafters.py:5) 7\n')
+    got = parse(str(raw))
+    n, incl, own = got['process 2:"verify"']
+    assert n == 40 and incl["run (verify_service/server.py)"] == 40
+    assert incl["finish (verify_service/verifier.py)"] == own[
+        "finish (verify_service/verifier.py)"] == 30
+    assert got['process 1:"bench"'][0] == 7 and not got['process 1:"bench"'][1]
