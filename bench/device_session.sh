@@ -11,7 +11,8 @@
 #
 # The image has torch, transformers, triton, grpcio, protobuf and uvloop; it lacks
 # grpcio's health/reflection packages, OpenTelemetry and prometheus-client, all pure
-# Python. Logs go to $OUT/log.txt. The device returns at most 8 files, so keep $OUT small.
+# Python, and py-spy (a static binary in a py2.py3 manylinux wheel). Logs go to
+# $OUT/log.txt. The device returns at most 8 files, so keep $OUT small.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
