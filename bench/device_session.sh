@@ -50,20 +50,20 @@ run)
                   >>"$log" 2>&1 ;;
         bench) timeout "${BENCH_S:-300}" python3 bench/h200.py --out "$OUT/h200.json" \
                    --work /tmp/bw ${BENCH_ARGS:-} >>"$log" 2>&1 ;;
-        drafters) timeout "${DRAFTERS_S:-560}" python3 bench/drafters.py \
-                      --out "$OUT/drafters.json" --work /tmp/bw-drafters ${DRAFTERS_ARGS:-} \
-                      >>"$log" 2>&1
-                  tail -n 120 /tmp/bw-drafters/*.log >"$OUT/services.log" 2>&1 ;;
-        pyspy)  # the drafters step under py-spy, every process sampled: collapsed stacks
-                # (`--format raw`, read by bench/pyspy_top.py), each service's host time by
-                # function; without py-spy (no ptrace there) the plain drafters step
-            spy=(/tmp/site/bin/py-spy record --subprocesses --rate "${PYSPY_RATE:-250}"
-                 --format raw -o "$OUT/pyspy.txt" --)
-            "${spy[@]}" python3 -c "import time; time.sleep(1)" >>"$log" 2>&1 || spy=()
-            timeout -s INT -k 30 "${PYSPY_S:-400}" "${spy[@]}" python3 bench/drafters.py \
+        drafters|pyspy)   # pyspy: the same under py-spy, every process sampled (collapsed
+                          # stacks, read by bench/pyspy_top.py: each service's host time by
+                          # function); where py-spy can't trace there, the plain step
+            spy=()
+            if [ "$step" = pyspy ]; then
+                spy=(/tmp/site/bin/py-spy record --subprocesses --rate "${PYSPY_RATE:-250}"
+                     --format raw -o "$OUT/pyspy.txt" --)
+                "${spy[@]}" python3 -c "import time; time.sleep(1)" >>"$log" 2>&1 || spy=()
+            fi
+            timeout -s INT -k 30 "${DRAFTERS_S:-560}" "${spy[@]}" python3 bench/drafters.py \
                 --out "$OUT/drafters.json" --work /tmp/bw-drafters ${DRAFTERS_ARGS:-} \
                 >>"$log" 2>&1
-            gzip -f "$OUT/pyspy.txt" ;;
+            if [ -f "$OUT/pyspy.txt" ]; then gzip -f "$OUT/pyspy.txt"; fi
+            tail -n 120 /tmp/bw-drafters/*.log >"$OUT/services.log" 2>&1 ;;
         dstep) timeout "${DSTEP_S:-240}" python3 bench/drafter_step.py \
                    --out "$OUT/drafter_step.json" --work /tmp/bw-drafters ${DSTEP_ARGS:-} \
                    >>"$log" 2>&1 ;;

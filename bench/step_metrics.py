@@ -76,9 +76,9 @@ def step_breakdown(before: dict, after: dict) -> dict[str, float]:
     # majority; at b32 a mean of 9 ms, every hop near it or a few that carried prompts'
     # hidden states), and of forwards longer than 16 .. 128 ms (whether a row's forward
     # is slower than plain's on every step or on a few)
-    for key, les in (("step", (0.016, 0.032, 0.064, 0.128)),
-                     ("hop", (0.001, 0.002, 0.004, 0.008, 0.016, 0.032)),
-                     ("verify", (0.016, 0.032, 0.064, 0.128))):
+    long = (0.016, 0.032, 0.064, 0.128)
+    for key, les in (("step", long), ("hop", (0.001, 0.002, 0.004, 0.008, 0.016, 0.032)),
+                     ("verify", long)):
         b, a = before.get(key + "_le", {}), after.get(key + "_le", {})
         n = a.get(float("inf"), 0.0) - b.get(float("inf"), 0.0)
         if n > 0:
