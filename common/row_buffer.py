@@ -4,7 +4,7 @@ Both services keep one per sequence of target hidden states ([tokens, C]) while 
 drafter reads them: the verify service what it captured, the EAGLE-3 drafter what
 it was sent. Appended rows wait as views (no device work: a step appends to every
 sequence, and while the controller runs plain nobody reads them) and land in one copy
-when the rows are read or ``FLUSH_AT`` appends wait (what they keep alive stays bounded).
+when the rows are read or ``FLUSH_AT`` rows wait (what they keep alive stays bounded).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class RowBuffer:
         """rows must not change until read (a clone of a graph's output, not the output)."""
         self._waiting.append(rows)
         self.len += rows.shape[0]
-        if len(self._waiting) >= FLUSH_AT:
+        if self.len - self._landed >= FLUSH_AT:
             self._land()
 
     @torch.inference_mode()       # a drafter reads inside its step's inference mode, but

@@ -175,19 +175,18 @@ def test_hidden_buffer_appends_in_amortized_place():
 def test_hidden_rows_wait_as_views_until_read():
     """A step appends to every sequence; nobody reads while the controller runs plain,
     so appends must not copy (the b32 plain steps of EAGLE-3 and DFlash paid ~0.8 ms
-    for a copy per row), and must land exactly once read or FLUSH_AT of them wait."""
+    for a copy per row), and must land exactly once read or FLUSH_AT rows wait."""
     from common import row_buffer
     buf = row_buffer.RowBuffer(torch.zeros(2, 3))
-    parts = [torch.full((1 + i % 2, 3), float(i)) for i in range(row_buffer.FLUSH_AT - 1)]
+    parts = [torch.full((1, 3), float(i)) for i in range(row_buffer.FLUSH_AT - 1)]
     for p in parts:
         buf.append(p)
     assert buf._landed == 2 and not buf._owned, "appends copied before anyone read them"
     assert torch.equal(buf.rows, torch.cat([torch.zeros(2, 3), *parts]))
-    for _ in range(row_buffer.FLUSH_AT):
-        buf.append(torch.full((1, 3), -1.0))
-    assert buf._landed == buf.len, "FLUSH_AT appends waited unlanded"
+    for n in (1, 1, row_buffer.FLUSH_AT - 2, 1):
+        buf.append(torch.full((n, 3), -1.0))
+    assert buf._landed == buf.len - 1, "FLUSH_AT rows waited unlanded"
     assert buf.rows.shape[0] == buf.len and torch.all(buf.rows[-row_buffer.FLUSH_AT:] == -1)
-
 
 
 def test_a_step_reads_its_new_rows_without_landing_them():
@@ -252,3 +251,43 @@ def test_rows_land_outside_inference_mode_after_a_read_inside_it():
         buf.append(rows)
         want.append(rows)
     assert torch.equal(buf.rows, torch.cat(want))
+
+
+def test_staged_plain_rows_reach_each_sequence_exactly_and_in_order():
+    """Plain steps' rows wait in one stage for the batch and reach each sequence's
+    buffer, in order, when a drafter is to read (flush), the stage fills or the batch
+    changes; a step that accepted nodes appends each path as it is; the graph's output
+    is read at once, so overwriting it after the step changes nothing."""
+    from common.row_buffer import RowBuffer
+    from verify_service import hidden_rows
+    from verify_service.request import GenRequest
+    from verify_service.sequence import Sequence
+
+    def seq() -> Sequence:
+        s = Sequence(GenRequest((1, 2), 8), frozenset(), 64)
+        s.hidden = RowBuffer(torch.zeros(1, 2))
+        return s
+
+    seqs, want, hr = [seq() for _ in range(3)], {}, hidden_rows.HiddenRows()
+    for s in seqs:
+        want[s.seq_id] = [torch.zeros(1, 2)]
+    out, step = torch.empty(3, 3, 2), 0
+    g = torch.Generator().manual_seed(0)
+    for batch in [seqs] * (hidden_rows.STAGE + 3) + [seqs[:2]] * 3 + [seqs[1:]]:
+        step += 1
+        tree = step % 7 == 0                      # now and then a step accepts nodes
+        acc = [list(range(step % 3)) if tree else [] for _ in batch]
+        m = max(len(a) for a in acc)
+        out.normal_(generator=g)
+        hr.add(batch, out[:len(batch), :1 + m], acc)
+        for s, i, a in zip(batch, range(len(batch)), acc):
+            want[s.seq_id].append(out[i, :1 + len(a)].clone())
+        out.fill_(float("nan"))                   # the next step overwrites the output
+        if step == 20:
+            assert seqs[0].hidden.len < 1 + sum(x.shape[0] for x in want[seqs[0].seq_id][1:]), \
+                "plain steps' rows reached the buffers before anyone read them"
+    hr.flush()
+    for s in seqs:
+        assert torch.equal(s.hidden.rows, torch.cat(want[s.seq_id]))
+    hr.add(seqs, None, [[]] * 3)                  # the drafter stopped reading them
+    assert all(s.hidden is None for s in seqs)
