@@ -4,7 +4,7 @@ Both services keep one per sequence of target hidden states ([tokens, C]) while 
 drafter reads them: the verify service what it captured, the EAGLE-3 drafter what
 it was sent. Appended rows wait as views (no device work: a step appends to every
 sequence, and while the controller runs plain nobody reads them) and land in one copy
-when the rows are read or ``FLUSH_AT`` rows wait (what they keep alive stays bounded).
+when the rows are read or ``FLUSH_AT`` appends wait (what they keep alive stays bounded).
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ class RowBuffer:
         """rows must not change until read (a clone of a graph's output, not the output)."""
         self._waiting.append(rows)
         self.len += rows.shape[0]
-        if self.len - self._landed >= FLUSH_AT:
-            self._land()
+        if len(self._waiting) >= FLUSH_AT:
+            self.land()
 
     @torch.inference_mode()       # a drafter reads inside its step's inference mode, but
-    def _land(self) -> None:        # appends outside it: both must write the same kind
+    def land(self) -> None:         # appends outside it: both must write the same kind
+        """Copy the waiting rows into the buffer (what they keep alive is freed)."""
+        if not self._waiting:
+            return
         if self.len > self._buf.shape[0] or not self._owned:
             grown = self._buf.new_empty((max(self.len, 2 * self._buf.shape[0]),
                                          *self._buf.shape[1:]))
@@ -47,6 +50,5 @@ class RowBuffer:
 
     @property
     def rows(self) -> torch.Tensor:
-        if self._waiting:
-            self._land()
+        self.land()
         return self._buf[:self.len]

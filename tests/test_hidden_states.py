@@ -175,18 +175,19 @@ def test_hidden_buffer_appends_in_amortized_place():
 def test_hidden_rows_wait_as_views_until_read():
     """A step appends to every sequence; nobody reads while the controller runs plain,
     so appends must not copy (the b32 plain steps of EAGLE-3 and DFlash paid ~0.8 ms
-    for a copy per row), and must land exactly once read or FLUSH_AT rows wait."""
+    for a copy per row), and must land exactly once read or FLUSH_AT of them wait."""
     from common import row_buffer
     buf = row_buffer.RowBuffer(torch.zeros(2, 3))
-    parts = [torch.full((1, 3), float(i)) for i in range(row_buffer.FLUSH_AT - 1)]
+    parts = [torch.full((1 + i % 2, 3), float(i)) for i in range(row_buffer.FLUSH_AT - 1)]
     for p in parts:
         buf.append(p)
     assert buf._landed == 2 and not buf._owned, "appends copied before anyone read them"
     assert torch.equal(buf.rows, torch.cat([torch.zeros(2, 3), *parts]))
-    for n in (1, 1, row_buffer.FLUSH_AT - 2, 1):
-        buf.append(torch.full((n, 3), -1.0))
-    assert buf._landed == buf.len - 1, "FLUSH_AT rows waited unlanded"
+    for _ in range(row_buffer.FLUSH_AT):
+        buf.append(torch.full((1, 3), -1.0))
+    assert buf._landed == buf.len, "FLUSH_AT appends waited unlanded"
     assert buf.rows.shape[0] == buf.len and torch.all(buf.rows[-row_buffer.FLUSH_AT:] == -1)
+
 
 
 def test_a_step_reads_its_new_rows_without_landing_them():
@@ -288,6 +289,7 @@ def test_staged_plain_rows_reach_each_sequence_exactly_and_in_order():
                 "plain steps' rows reached the buffers before anyone read them"
     hr.flush()
     for s in seqs:
+        assert not s.hidden._waiting, "a flush left views of the stage alive"
         assert torch.equal(s.hidden.rows, torch.cat(want[s.seq_id]))
     hr.add(seqs, None, [[]] * 3)                  # the drafter stopped reading them
     assert all(s.hidden is None for s in seqs)

@@ -4,9 +4,9 @@ a drafter of hidden states (EAGLE-3, DFlash) reads when the sequence is asked fo
 A step appends each sequence's path rows ([1 + accepted, C]). A step that accepted
 nothing anywhere (the controller running the batch plain, most of all) appends one row
 a sequence; while the batch stays the same, those rows go into a [batch, STAGE, C]
-tensor, one copy a step, and reach the sequences' buffers as views only when a drafter
-is to read them, the stage is full or the batch changes. A plain step pays one copy,
-not a clone and a view and an append per sequence (64 a step at b64).
+tensor, one copy a step, and land in the sequences' buffers only when a drafter is to
+read them, the stage is full or the batch changes. A plain step pays one copy, not a
+clone and a view and an append per sequence (64 a step at b64).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class HiddenRows:
         """Hand the staged rows to their sequences (before a drafter reads any)."""
         if self._stage is not None:
             for s, r in zip(self._seqs, self._stage[:, :self._n].unbind(0)):
-                if s.hidden is not None:
+                if s.hidden is not None:        # landed now: nothing keeps the stage
                     s.hidden.append(r)
+                    s.hidden.land()
         self._seqs, self._ids, self._stage, self._n = [], [], None, 0
