@@ -26,13 +26,10 @@ class RowBuffer:
         self._waiting.append(rows)
         self.len += rows.shape[0]
         if len(self._waiting) >= FLUSH_AT:
-            self.land()
+            self._land()
 
     @torch.inference_mode()       # a drafter reads inside its step's inference mode, but
-    def land(self) -> None:         # appends outside it: both must write the same kind
-        """Copy the waiting rows into the buffer (what they keep alive is freed)."""
-        if not self._waiting:
-            return
+    def _land(self) -> None:        # appends outside it: both must write the same kind
         if self.len > self._buf.shape[0] or not self._owned:
             grown = self._buf.new_empty((max(self.len, 2 * self._buf.shape[0]),
                                          *self._buf.shape[1:]))
@@ -50,5 +47,6 @@ class RowBuffer:
 
     @property
     def rows(self) -> torch.Tensor:
-        self.land()
+        if self._waiting:
+            self._land()
         return self._buf[:self.len]

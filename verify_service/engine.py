@@ -32,7 +32,6 @@ from common.tree import TreeBatch, budget_nodes, cut_depth, validate_tree
 from kernels.dispatch import select
 from verify_service.controller import Controller, Plan
 from verify_service.drafter import Drafted, Drafter
-from verify_service.hidden_rows import HiddenRows
 from verify_service.observer import EngineObserver, NullObserver, step_record
 from verify_service.request import GenRequest, check_request
 from verify_service.sequence import Sequence
@@ -61,7 +60,6 @@ class VerifyEngine:
         self.observer: EngineObserver = observer or NullObserver()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.hidden_rows = HiddenRows()           # each step's captured rows, to drafters
         self.fallbacks: Counter[str] = Counter()
         self.limits: Counter[str] = Counter()     # times a request waited, by limiting flag
         self._wake = asyncio.Event()
@@ -244,7 +242,6 @@ class VerifyEngine:
         if not plan.depth:
             return Drafted(None, "off_by_controller"), plan
         rows = plan.rows
-        self.hidden_rows.flush()                # the drafter reads them
         got = await self.link.propose([seqs[i] for i in rows], self.observer.draft_context(),
                                       plan.depth, plan.cost_s)
         if got.trees is not None:
@@ -282,7 +279,6 @@ class VerifyEngine:
         why = {s.seq_id: "syncing" if i in syncing else drafted.fallback or "empty_tree"
                if i in asked else "off_by_controller" if i in resting else self._unasked(s)
                for i, s in enumerate(seqs) if s.speculative}
-        self.hidden_rows.add(seqs, res.hidden, res.accepted)
         done = self._commit(seqs, trees, res, why, index)
         # waited for, nothing usable came (too slow for the deadline, or broken): 0 accepted
         failed = drafted.fallback in ("deadline", "invalid_proposal")
@@ -335,6 +331,10 @@ class VerifyEngine:
                                 "steps so far", why[s.seq_id], n)
             s.accepted_path = path if index is None else index[i][path].tolist()
             done.append((s, offered, len(path), min(len(path), len(kept)), len(kept)))
+            if res.hidden is not None and s.hidden is not None:
+                s.hidden.append(res.hidden[i])
+            elif res.hidden is None:
+                s.hidden = None
             s.emit(kept)
         return done
 

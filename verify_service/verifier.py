@@ -39,10 +39,9 @@ from verify_service.device_step import fixed_step
 class StepResult:
     accepted: list[list[int]]   # per sequence: accepted node indices, root to leaf
     bonus: list[int]            # per sequence: the target's token after the path
-    # when capturing: target hidden states [B, 1 + longest path, C] of each root and
-    # its accepted nodes (C = layers * hidden); the step's own output on the device,
-    # valid until the next step (verify_service.hidden_rows reads it)
-    hidden: torch.Tensor | None = None
+    # per sequence, when capturing: target hidden states [1 + len(path), C] of the
+    # root and the accepted nodes (device tensors), C = layers * hidden
+    hidden: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -214,9 +213,12 @@ class Verifier:
         nums = [row[d] for row in res[:len(pending.pages)]]
         for sp, k in zip(pending.pages, nums):
             sp.kv_len += 1 + k
-        path = None if pending.path is None else pending.path[:len(nums), :1 + max(nums, default=0)]
+        rows = None
+        if pending.path is not None:    # one copy out of the graph's output, views of it
+            path = pending.path[:len(nums), :1 + max(nums, default=0)].clone()
+            rows = [path[i, :1 + k] for i, k in enumerate(nums)]
         return StepResult([res[i][:nums[i]] for i in range(len(nums))],
-                          [res[i][d + 1] for i in range(len(nums))], path)
+                          [res[i][d + 1] for i in range(len(nums))], rows)
 
 
 def _bits(x: float) -> int:
