@@ -18,17 +18,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from bench.inproc_bench import cuda_ms, random_trees  # noqa: E402
-from common.tree import verify_chunk_layout  # noqa: E402
-from kernels.triton_ancestors import tree_ancestors  # noqa: E402
-from kernels.triton_tree_attention import _plan, paged_tree_attention  # noqa: E402
+from inproc_bench import cuda_ms, random_trees
+from treespec.common.spec.tree import verify_chunk_layout
+from treespec.kernels.triton_ancestors import tree_ancestors
+from treespec.kernels.triton_tree_attention import _plan, paged_tree_attention
 
 BS = 16
 SHAPES = {"8b": (36, 32, 8, 128), "0.6b": (28, 16, 8, 128)}     # layers, q / kv heads, D

@@ -33,14 +33,19 @@ run)
     : "${OUT:?run on the device, where \$OUT is set}"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+    # the checkout as the installed package sees it: treespec.<folder> -> ./<folder>
+    mkdir -p /tmp/site/treespec
+    for pkg in common kernels draft_service verify_service protos; do
+        ln -sfn "$PWD/$pkg" "/tmp/site/treespec/$pkg"
+    done
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
     log="$OUT/log.txt"
     nvidia-smi --query-gpu=name,memory.total --format=csv >"$log" 2>&1
     # STEPS picks and orders the work; BENCH_ARGS go to bench/h200.py
     for step in ${STEPS:-tests bench profile}; do
         echo "== $step ($(date +%T))" >>"$log"
         case "$step" in
-        tests) TRITON_INTERPRET=0 timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider \
+        tests) TRITON_INTERPRET=0 timeout "${TESTS_S:-240}" python3 -P -m pytest -q -p no:cacheprovider \
                    ${TESTS:-tests/test_cuda_graph.py tests/test_eagle3_gpu.py \
                    tests/test_draft_model_gpu.py tests/test_dflash_gpu.py tests/test_triton_kernels.py \
                    tests/test_triton_gemv.py tests/test_triton_ancestors.py tests/test_triton_noise.py \
@@ -73,7 +78,7 @@ run)
                      >>"$log" 2>&1 ;;
         attention) timeout "${ATTN_S:-150}" python3 bench/attention_probe.py ${ATTN_ARGS:-} \
                        --out "$OUT/attention_probe.json" >>"$log" 2>&1 ;;
-        accept) timeout "${ACCEPT_S:-120}" python3 -m common.cli bench-accept --device cuda --files 4 \
+        accept) timeout "${ACCEPT_S:-120}" python3 bench/bench_accept.py --device cuda --files 4 \
                     --prompt-tokens 128 --max-tokens 48 --envelopes chain4,tree-small \
                     --methods model,eagle3 --json "$OUT/accept.json" ${ACCEPT_ARGS:-} \
                     >>"$log" 2>&1 ;;
@@ -86,7 +91,7 @@ run)
                 v=/tmp/dft/v$((i + 1))
                 echo "-- v$((i + 1)): ${variants[$i]}" >>"$log"
                 timeout "${TRAIN_S:-400}" python3 bench/train_tiny.py --out "$v" --device cuda \
-                    --only dflash --base common/checkpoints ${variants[$i]} >>"$log" 2>&1
+                    --only dflash --base common/model/checkpoints ${variants[$i]} >>"$log" 2>&1
                 tar -cf "$OUT/dflash_v$((i + 1)).tar" -C "$v/tiny-code-dflash" \
                     config.json model.safetensors TRAINING.json
             done ;;

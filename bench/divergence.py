@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from bench.profile_step import random_model  # noqa: E402
-from common.devices import pick_device  # noqa: E402
-from common.forward_batch import build_forward_batch, chain_chunk  # noqa: E402
-from common.kv_cache import SeqPages  # noqa: E402
-from common.tree import TreeBatch  # noqa: E402
-from kernels.dispatch import select  # noqa: E402
-from verify_service.verifier import Verifier  # noqa: E402
+from profile_step import random_model
+from treespec.common.runtime.devices import pick_device
+from treespec.common.runtime.forward_batch import build_forward_batch, chain_chunk
+from treespec.common.runtime.kv_cache import SeqPages
+from treespec.common.spec.tree import TreeBatch
+from treespec.kernels.dispatch import select
+from treespec.verify_service.verifier import Verifier
 
 DEPTH = 4
 

@@ -20,22 +20,20 @@ result for users. `--target-shape tiny --draft-shape tiny --device cpu` smoke-ru
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from bench.drafters import checkpoints, pages, shape_args  # noqa: E402
-from bench.inproc_bench import replay_ms  # noqa: E402
-from common.sampling import SamplingParams, filter_width  # noqa: E402
-from common.tree import envelope_from  # noqa: E402
-from draft_service.config import DraftConfig  # noqa: E402
-from draft_service.proposer import RowSampling  # noqa: E402
-from draft_service.registry import PROPOSERS  # noqa: E402
+from drafters import checkpoints, pages, shape_args
+from inproc_bench import replay_ms
+from treespec.common.spec.sampling import SamplingParams, filter_width
+from treespec.common.spec.tree import envelope_from
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.proposer import RowSampling
+from treespec.draft_service.registry import PROPOSERS
 
 KINDS = ("gemv", "linear", "attention", "norm", "rope", "silu", "softmax", "sort", "topk",
          "gather", "cat", "copy", "fill", "index", "scatter")

@@ -31,14 +31,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import shapes  # noqa: E402
-from bench.e2e_bench import first_divergence, start, throughput  # noqa: E402
-from bench.step_metrics import fallback_counts, metrics_url, totals  # noqa: E402
-from common.bench_accept import envelope_args  # noqa: E402
-from common.client import AsyncTreespecClient  # noqa: E402
-from common.launch import cli_command  # noqa: E402
+import shapes
+from e2e_bench import first_divergence, start, throughput
+from step_metrics import fallback_counts, metrics_url, totals
+from bench_accept import envelope_args
+from treespec.common.client import AsyncTreespecClient
+from treespec.common.serving.launch import cli_command
 
 BENCH = Path(__file__).resolve().parent
 # EAGLE-3's hidden states crossing the hop, and the hops that carried them

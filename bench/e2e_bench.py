@@ -10,9 +10,9 @@ import time
 from collections.abc import Collection
 from pathlib import Path
 
-from bench.step_metrics import metrics_url, step_breakdown, step_sums
-from common.client import AsyncTreespecClient
-from common.launch import ServiceProcess, child_env, cli_command, start_process
+from step_metrics import metrics_url, step_breakdown, step_sums
+from treespec.common.client import AsyncTreespecClient
+from treespec.common.serving.launch import ServiceProcess, child_env, cli_command, start_process
 
 BENCH = Path(__file__).resolve().parent
 

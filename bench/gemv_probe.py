@@ -17,17 +17,15 @@ import argparse
 import ast
 import itertools
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from bench.inproc_bench import replay_ms  # noqa: E402
-from kernels import triton_gemv  # noqa: E402
-from kernels.triton_fused import silu_mul  # noqa: E402
+from inproc_bench import replay_ms
+from treespec.kernels import triton_gemv
+from treespec.kernels.triton_fused import silu_mul
 
 # name: (N output columns, K, fused SwiGLU)
 SHAPES = {"8b": {"qkv": (6144, 4096, False), "o_proj": (4096, 4096, False),

@@ -25,10 +25,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import reference as ref  # noqa: E402
-from kernels import triton_backend as tb  # noqa: E402
+from treespec.kernels import reference as ref
+from treespec.kernels import triton_backend as tb
 
 HQ, HKV, D, BS, CTX, LAYERS = 32, 8, 128, 16, 1024, 36
 DTYPE = torch.bfloat16

@@ -19,23 +19,22 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import triton.runtime.interpreter as interpreter  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+import triton.runtime.interpreter as interpreter
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import common.sampling  # noqa: E402
-import kernels.noise  # noqa: E402
-from common.model_paths import resolve_model  # noqa: E402
-from common.qwen3 import Qwen3Model  # noqa: E402
-from common.sampling import DRAFT_Q, SamplingParams, filter_width  # noqa: E402
-from common.spec_types import SeqUpdate, SpecRequest  # noqa: E402
-from common.tree import PRESETS, TreeBatch  # noqa: E402
-from draft_service.config import DraftConfig  # noqa: E402
-from draft_service.engine import DraftEngine  # noqa: E402
-from kernels.dispatch import select  # noqa: E402
-from verify_service.verifier import pack_inputs, packed_step  # noqa: E402
+import treespec.common.spec.sampling
+import treespec.kernels.noise
+from treespec.common.model.paths import resolve_model
+from treespec.common.model.qwen3 import Qwen3Model
+from treespec.common.spec.sampling import DRAFT_Q, SamplingParams, filter_width
+from treespec.common.spec.messages import SeqUpdate, SpecRequest
+from treespec.common.spec.tree import PRESETS, TreeBatch
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.engine import DraftEngine
+from treespec.kernels.dispatch import select
+from treespec.verify_service.verifier import pack_inputs, packed_step
 
 VIEWS = {"view", "reshape", "_unsafe_view", "expand", "slice", "unsqueeze", "squeeze",
          "as_strided", "select", "t", "transpose", "permute", "detach", "alias", "unbind",
@@ -57,7 +56,7 @@ def _run(fn, *a, **k):
 
 interpreter.InterpretedFunction.run = _run
 # the device-dispatched kernels (the noise hash, a drafter's candidate scores) as on a GPU
-kernels.noise.triton_available = common.sampling.triton_available = lambda device: True
+treespec.kernels.noise.triton_available = treespec.common.spec.sampling.triton_available = lambda device: True
 
 
 class Kernels(TorchDispatchMode):

@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from bench import shapes  # noqa: E402
-from bench.e2e_bench import AB_VARIANTS, run_e2e  # noqa: E402
-from bench.inproc_bench import (copy_bandwidth, hf_decode_tok_s, ours_from_hf,  # noqa: E402
+import shapes
+from e2e_bench import AB_VARIANTS, run_e2e
+from inproc_bench import (copy_bandwidth, hf_decode_tok_s, ours_from_hf,
                                 verify_latency_ms)
 
 

@@ -12,21 +12,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import grpc  # noqa: E402
+import grpc
 
-from common import wire  # noqa: E402
-from common.auth import metadata  # noqa: E402
-from common.client import AsyncTreespecClient, TreespecError  # noqa: E402
-from common.launch import start_service  # noqa: E402
-from common.spec_types import SeqUpdate, SpecRequest  # noqa: E402
-from protos.treespec.v1 import treespec_pb2 as pb  # noqa: E402
+from treespec.common.wire import convert as wire
+from treespec.common.serving.auth import metadata
+from treespec.common.client import AsyncTreespecClient, TreespecError
+from treespec.common.serving.launch import start_service
+from treespec.common.spec.messages import SeqUpdate, SpecRequest
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
 
 KEY = "hostile-probe-key"
 

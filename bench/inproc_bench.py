@@ -7,12 +7,12 @@ import time
 
 import torch
 
-from common.kv_cache import SeqPages
-from common.tree import TreeBatch
-from common.qwen3 import Qwen3Model
-from common.model_config import Qwen3Spec
-from kernels.dispatch import select
-from verify_service.verifier import Verifier
+from treespec.common.runtime.kv_cache import SeqPages
+from treespec.common.spec.tree import TreeBatch
+from treespec.common.model.qwen3 import Qwen3Model
+from treespec.common.model.config import Qwen3Spec
+from treespec.kernels.dispatch import select
+from treespec.verify_service.verifier import Verifier
 
 
 def sync(device: torch.device) -> None:

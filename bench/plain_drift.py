@@ -17,17 +17,15 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.drafters import checkpoints, pages, shape_args  # noqa: E402
-from bench.e2e_bench import start, throughput  # noqa: E402
-from bench.step_metrics import metrics_url  # noqa: E402
-from common.client import AsyncTreespecClient  # noqa: E402
-from common.launch import cli_command  # noqa: E402
+from drafters import checkpoints, pages, shape_args
+from e2e_bench import start, throughput
+from step_metrics import metrics_url
+from treespec.common.client import AsyncTreespecClient
+from treespec.common.serving.launch import cli_command
 
 VOCAB = 151936
 

@@ -16,27 +16,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from bench import shapes  # noqa: E402
-from bench.inproc_bench import copy_bandwidth, cuda_ms, random_trees, replay_ms  # noqa: E402
-from common.devices import pick_device  # noqa: E402
-from common.graph_buckets import bucket  # noqa: E402
-from common.kv_cache import SeqPages  # noqa: E402
-from common.tree import TreeBatch  # noqa: E402
-from common.model_config import Qwen3Spec  # noqa: E402
-from common.qwen3 import Qwen3Model  # noqa: E402
-from kernels import reference  # noqa: E402
-from kernels.dispatch import KERNEL_NAMES, select  # noqa: E402
-from kernels.triton_common import set_pdl  # noqa: E402
-from verify_service.verifier import Verifier  # noqa: E402
+import shapes
+from inproc_bench import copy_bandwidth, cuda_ms, random_trees, replay_ms
+from treespec.common.runtime.devices import pick_device
+from treespec.common.runtime.graph_buckets import bucket
+from treespec.common.runtime.kv_cache import SeqPages
+from treespec.common.spec.tree import TreeBatch
+from treespec.common.model.config import Qwen3Spec
+from treespec.common.model.qwen3 import Qwen3Model
+from treespec.kernels import reference
+from treespec.kernels.dispatch import KERNEL_NAMES, select
+from treespec.kernels.triton_common import set_pdl
+from treespec.verify_service.verifier import Verifier
 
 
 def random_model(name: str, dev: torch.device, plant: bool = False) -> Qwen3Model:

@@ -26,18 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.tree import PAD, TreeBatch, TreeEnvelope  # noqa: E402
+from treespec.common.spec.tree import PAD, TreeBatch, TreeEnvelope
 
 
 class ReplayProposer:
-    needs_model = False
     target_hidden_layers: tuple[int, ...] = ()
     model = "replay-instrument"
     name = "replay-instrument"
@@ -160,10 +157,10 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=4096, help="--shadow's KV pages")
     ap.add_argument("--metrics-port", type=int, help="as `treespec draft --metrics-port`")
     a = ap.parse_args()
-    from common.tree import envelope_from
-    from draft_service import server
-    from draft_service.config import DraftConfig
-    from draft_service.registry import build_proposer
+    from treespec.common.spec.tree import envelope_from
+    from treespec.draft_service import server
+    from treespec.draft_service.config import DraftConfig
+    from treespec.draft_service.registry import build_proposer
     records = json.loads(Path(a.continuations).read_text())
     if a.shadow:
         env = (envelope_from(a.envelope) if a.topk is None

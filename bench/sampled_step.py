@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from bench.inproc_bench import replay_ms  # noqa: E402
-from bench.profile_step import random_model  # noqa: E402
-from common.kv_cache import SeqPages  # noqa: E402
-from common.sampling import DRAFT_Q, SamplingParams  # noqa: E402
-from common.tree import TreeBatch  # noqa: E402
-from kernels.dispatch import select  # noqa: E402
-from verify_service.verifier import Verifier  # noqa: E402
+from inproc_bench import replay_ms
+from profile_step import random_model
+from treespec.common.runtime.kv_cache import SeqPages
+from treespec.common.spec.sampling import DRAFT_Q, SamplingParams
+from treespec.common.spec.tree import TreeBatch
+from treespec.kernels.dispatch import select
+from treespec.verify_service.verifier import Verifier
 
 
 def trees(b: int, vocab: int, q: bool, g: torch.Generator) -> TreeBatch:

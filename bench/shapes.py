@@ -134,8 +134,8 @@ DFLASH = {"qwen3-8b": dict(layers=5, block=16), "tiny": dict(layers=1, block=8)}
 def random_dflash(target_shape: str, path: Path, device: str = "cpu", seed: int = 5) -> None:
     """A DFlash drafter of that target's published shape with random bf16 weights (std
     0.02, norms 1), in z-lab's layout (no embedding or LM head: --target-embeddings)."""
-    from bench.train_tiny.dflash import DFlashDrafter, drafter_config, save_drafter
-    from draft_service.dflash_head import default_layer_ids
+    from train_tiny.dflash import DFlashDrafter, drafter_config, save_drafter
+    from treespec.draft_service.dflash_head import default_layer_ids
     c, e = config(target_shape).to_dict(), DFLASH[target_shape]
     n = c["num_hidden_layers"]
     ids = default_layer_ids(n, e["layers"]) if n > 4 else [0]

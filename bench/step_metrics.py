@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 import urllib.request
 
-from common.launch import ServiceProcess
-from verify_service.observer import HOP_PARTS
+from treespec.common.serving.launch import ServiceProcess
+from treespec.verify_service.observer import HOP_PARTS
 
 HOP_PART = "treespec:draft_hop_part_seconds"     # labelled {part}: verify's hop_parts
 STEP_PARTS = {"step": "treespec:step_seconds", "hop": "treespec:draft_hop_seconds",

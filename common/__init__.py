@@ -1,1 +1,3 @@
-"""Shared pieces of treespec: config, trees, acceptance, Qwen3, paged KV, codec."""
+"""What both services share: the model and its checkpoints (model/), running it on a
+device (runtime/), the speculation algorithms (spec/), the hop's encoding (wire/),
+serving plumbing (serving/) and the client SDK with the demo (client/)."""

@@ -2,9 +2,8 @@
 
     treespec draft ...              draft_service/cli.py
     treespec verify ...             verify_service/cli.py
-    treespec generate | health ...  common/client_cli.py
-    treespec demo ...               common/demo.py
-    treespec bench-accept ...       common/bench_accept.py
+    treespec generate | health ...  common/client/cli.py
+    treespec demo ...               common/client/demo.py
 
 Each owner adds its flags to the subcommand's parser and runs it; the argument
 helpers both services use and the one place a server module is started
@@ -24,18 +23,16 @@ from collections.abc import Sequence
 
 # name -> (module, its add-arguments function, its run function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "draft": ("draft_service.cli", "add_arguments", "run",
+    "draft": ("treespec.draft_service.cli", "add_arguments", "run",
               "serve the Drafter service (proposes token trees)"),
-    "verify": ("verify_service.cli", "add_arguments", "run",
+    "verify": ("treespec.verify_service.cli", "add_arguments", "run",
                "serve the Generation service (the Qwen3 target)"),
-    "generate": ("common.client_cli", "add_generate_arguments", "generate",
+    "generate": ("treespec.common.client.cli", "add_generate_arguments", "generate",
                  "stream one completion from a verify service"),
-    "health": ("common.client_cli", "add_health_arguments", "health",
+    "health": ("treespec.common.client.cli", "add_health_arguments", "health",
                "exit 0 when a service's gRPC health says SERVING"),
-    "demo": ("common.demo", "add_arguments", "run_demo",
+    "demo": ("treespec.common.client.demo", "add_arguments", "run_demo",
              "start both services locally and compare with plain decode"),
-    "bench-accept": ("common.bench_accept", "add_arguments", "run",
-                     "tokens per step of each proposer x envelope on held-out text"),
 }
 
 
@@ -63,7 +60,7 @@ RUNTIME = ("host", "port", "device", "dtype", "kernels", "num_blocks", "block_si
 
 
 def add_runtime(p: argparse.ArgumentParser) -> None:
-    """The flags of common.service_config.ServiceConfig."""
+    """The flags of treespec.common.serving.config.ServiceConfig."""
     p.add_argument("--port", type=int, required=True, help="port to bind; 0 picks a free one")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--device", help="auto (first GPU, else CPU), cpu, cuda:1, ... (default auto)")
@@ -104,7 +101,7 @@ def given(args: argparse.Namespace, names: Sequence[str]) -> dict:
 
 def check_model(name: str | None) -> None:
     """ConfigError unless name is a checkpoint dir or a shipped checkpoint (or None)."""
-    from common.model_paths import resolve_model
+    from treespec.common.model.paths import resolve_model
     if name is not None:
         try:
             resolve_model(name)
@@ -152,8 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=about)
     getattr(module, add)(parser)
     args = parser.parse_args(argv[1:])
-    from common.checkpoint import CheckpointError
-    from common.client import TreespecError
+    from treespec.common.model.checkpoint import CheckpointError
+    from treespec.common.client import TreespecError
     try:
         return getattr(module, run)(args) or 0
     except (ConfigError, NotImplementedError, CheckpointError) as e:
@@ -167,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m common.cli`: run the importable module's main, so that the subcommand
-    # modules' ConfigError (imported from common.cli) is the one caught here
-    from common.cli import main as _main
+    # `python -m treespec.common.cli`: run the importable module's main, so that the subcommand
+    # modules' ConfigError (imported from treespec.common.cli) is the one caught here
+    from treespec.common.cli import main as _main
     sys.exit(_main())

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from common import cli
-from common.cli import RUNTIME, ConfigError, add_runtime, check_model, given, int_list
+from treespec.common import cli
+from treespec.common.cli import RUNTIME, ConfigError, add_runtime, check_model, given, int_list
 
-SERVER = "draft_service.server"
+SERVER = "treespec.draft_service.server"
 
 
 def add_arguments(d: argparse.ArgumentParser) -> None:
-    from draft_service.registry import PROPOSERS
-    d.add_argument("--method", required=True, choices=list(PROPOSERS))
+    from treespec.draft_service.config import METHODS
+    d.add_argument("--method", required=True, choices=list(METHODS))
     d.add_argument("--model", help="draft checkpoint dir or shipped name (model, eagle3, "
                    "dflash)")
     d.add_argument("--target-embeddings", metavar="PATH", type=lambda t: t or None,
@@ -47,14 +47,14 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
 
 def config(args: argparse.Namespace):
     """DraftConfig from parsed flags; ConfigError when it is refused."""
-    from common.model_paths import resolve_model
-    from common.tree import envelope_from
-    from draft_service.config import DraftConfig
+    from treespec.common.model.paths import resolve_model
+    from treespec.common.spec.tree import envelope_from
+    from treespec.draft_service.config import DraftConfig
     check_model(args.model)
     try:
         env = envelope_from(args.envelope, args.depth, args.topk, args.nodes)
         if args.method == "dflash" and args.model:
-            from draft_service.dflash_head import checked_source
+            from treespec.draft_service.dflash_head import checked_source
             spec, _ = checked_source(resolve_model(args.model), args.target_embeddings)
             if args.envelope is None and args.depth is None:
                 env = block_envelope(spec.block_size)
@@ -67,7 +67,7 @@ def config(args: argparse.Namespace):
                                                    "draft_sampling", "local_socket_uids",
                                                    "max_model_len")))
         if cfg.method == "eagle3":
-            from draft_service.eagle3_head import embedding_source
+            from treespec.draft_service.eagle3_head import embedding_source
             embedding_source(resolve_model(cfg.model), cfg.target_embeddings)
         return cfg
     except ValueError as e:
@@ -77,7 +77,7 @@ def config(args: argparse.Namespace):
 def block_envelope(block_size: int):
     """A DFlash drafter's default envelope: a tree of each block position's top 4, as
     many nodes as the block's chain (the same verify rows, more tokens a step)."""
-    from common.tree import TreeEnvelope
+    from treespec.common.spec.tree import TreeEnvelope
     return TreeEnvelope(depth=block_size - 1, topk=4, num_nodes=block_size - 1,
                         name=f"block{block_size}-tree")
 

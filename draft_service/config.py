@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common import frames
-from common.service_config import ServiceConfig
-from common.tree import TreeEnvelope
-from draft_service.registry import PROPOSERS
+from treespec.common.wire import frames
+from treespec.common.serving.config import ServiceConfig
+from treespec.common.spec.tree import TreeEnvelope
+
+# draft method -> whether it loads a checkpoint (--model); registry.py maps each to its
+# proposer class
+METHODS: dict[str, bool] = {"ngram": False, "model": True, "eagle3": True, "dflash": True}
+
 
 @dataclass(frozen=True, kw_only=True)
 class DraftConfig(ServiceConfig):
-    method: str                       # a draft_service.registry name
+    method: str                       # a METHODS name
     envelope: TreeEnvelope
     model: str | None = None          # checkpoint dir (or shipped name) for model/eagle3
     target_embeddings: str | None = None  # eagle3 without embed_tokens: target ckpt / safetensors
@@ -40,10 +44,10 @@ class DraftConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.method not in PROPOSERS:
+        if self.method not in METHODS:
             raise ValueError(f"unknown draft method {self.method!r}; expected one of "
-                             f"{tuple(PROPOSERS)}")
-        if PROPOSERS[self.method].needs_model and not self.model:
+                             f"{tuple(METHODS)}")
+        if METHODS[self.method] and not self.model:
             raise ValueError(f"--method {self.method} needs --model")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")

@@ -36,12 +36,12 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from common.checkpoint import CheckpointError, load_state_dict, tensor_taker
-from common.forward_batch import ForwardBatch
-from common.kv_cache import PagedKVCache
-from common.model_config import Qwen3Spec
-from common.model_paths import resolve_model
-from common.qwen3 import Qwen3Layer, layer_tensors, rope_inv_freq
+from treespec.common.model.checkpoint import CheckpointError, load_state_dict, tensor_taker
+from treespec.common.runtime.forward_batch import ForwardBatch
+from treespec.common.runtime.kv_cache import PagedKVCache
+from treespec.common.model.config import Qwen3Spec
+from treespec.common.model.paths import resolve_model
+from treespec.common.model.qwen3 import Qwen3Layer, layer_tensors, rope_inv_freq
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

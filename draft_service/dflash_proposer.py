@@ -17,7 +17,7 @@ layer. One step, batched over sequences, at a fixed shape (one CUDA-graph replay
    paths, so every node of level l chooses among the same candidates of position
    l + 1): by summed log-prob, or for a sampling row by pick rank as
    tree_build.Expansion scores one, its picks drawn as the other model drafters draw
-   them (common.sampling.draft_scores, keyed by the position).
+   them (treespec.common.spec.sampling.draft_scores, keyed by the position).
 
 Rollback is free, as for EAGLE-3: only committed pairs' K/V is ever kept.
 """
@@ -33,19 +33,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from common.forward_batch import device_forward_batch, padded_chain_batch
-from common.kv_cache import PagedKVCache
-from common.model_paths import resolve_model
-from common.tree import TreeEnvelope, shallower
-from common.vocab_top import CHUNK, top_k
-from draft_service.dflash_head import DFlashHead
-from draft_service.feature_drafter import FeatureDrafter, FeatureSeq
-from draft_service.model_step import scores
-from kernels.dispatch import select
-from kernels.reference import BLOCK
+from treespec.common.runtime.forward_batch import device_forward_batch, padded_chain_batch
+from treespec.common.runtime.kv_cache import PagedKVCache
+from treespec.common.model.paths import resolve_model
+from treespec.common.spec.tree import TreeEnvelope, shallower
+from treespec.common.spec.vocab_top import CHUNK, top_k
+from treespec.draft_service.dflash_head import DFlashHead
+from treespec.draft_service.feature_drafter import FeatureDrafter, FeatureSeq
+from treespec.draft_service.model_step import scores
+from treespec.kernels.dispatch import select
+from treespec.kernels.reference import BLOCK
 
 if TYPE_CHECKING:
-    from draft_service.config import DraftConfig
+    from treespec.draft_service.config import DraftConfig
 
 
 class DFlashProposer(FeatureDrafter):

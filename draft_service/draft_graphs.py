@@ -1,4 +1,4 @@
-"""The CUDA graphs a drafter's step replays (draft_service.kv_drafter): one per (greedy,
+"""The CUDA graphs a drafter's step replays (treespec.draft_service.kv_drafter): one per (greedy,
 or sampled with its filter width; to a shallower depth; batch bucket, page bucket),
 each step padded to its buckets; on the CPU the same function runs eagerly.
 """
@@ -11,10 +11,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from common.graph_buckets import MIN_PAGES, BucketedGraphs, bucket
-from common.kv_cache import PagedKVCache, SeqPages
-from common.sampling import GREEDY, TOPK_FIRST, SamplingParams, filter_width
-from draft_service.proposer import RowSampling
+from treespec.common.runtime.graph_buckets import MIN_PAGES, BucketedGraphs, bucket
+from treespec.common.runtime.kv_cache import PagedKVCache, SeqPages
+from treespec.common.spec.sampling import GREEDY, TOPK_FIRST, SamplingParams, filter_width
+from treespec.draft_service.proposer import RowSampling
 
 # an extra per-unit input of a step: (shape of one unit's row, dtype)
 Extra = tuple[tuple[int, ...], torch.dtype]

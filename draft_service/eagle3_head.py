@@ -30,11 +30,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from common.checkpoint import CheckpointError, load_state_dict, safetensor_files, tensor_taker
-from common.forward_batch import ForwardBatch
-from common.kv_cache import PagedKVCache
-from common.model_paths import SHIPPED_NAMES, resolve_model
-from common.qwen3 import rope_inv_freq
+from treespec.common.model.checkpoint import CheckpointError, load_state_dict, safetensor_files, tensor_taker
+from treespec.common.runtime.forward_batch import ForwardBatch
+from treespec.common.runtime.kv_cache import PagedKVCache
+from treespec.common.model.paths import SHIPPED_NAMES, resolve_model
+from treespec.common.model.qwen3 import rope_inv_freq
 
 TARGET_EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight")
 

@@ -29,17 +29,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.forward_batch import build_forward_batch, chain_chunk
-from common.model_paths import resolve_model
-from common.tree import TreeEnvelope, shallower
-from draft_service.eagle3_head import Eagle3Head
-from draft_service.eagle3_step import eagle3_step
-from draft_service.feature_drafter import FeatureDrafter, FeatureSeq
-from draft_service.model_step import level_depths
-from kernels.dispatch import select
+from treespec.common.runtime.forward_batch import build_forward_batch, chain_chunk
+from treespec.common.model.paths import resolve_model
+from treespec.common.spec.tree import TreeEnvelope, shallower
+from treespec.draft_service.eagle3_head import Eagle3Head
+from treespec.draft_service.eagle3_step import eagle3_step
+from treespec.draft_service.feature_drafter import FeatureDrafter, FeatureSeq
+from treespec.draft_service.model_step import level_depths
+from treespec.kernels.dispatch import select
 
 if TYPE_CHECKING:
-    from draft_service.config import DraftConfig
+    from treespec.draft_service.config import DraftConfig
 
 
 class Eagle3Proposer(FeatureDrafter):

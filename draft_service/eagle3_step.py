@@ -1,5 +1,5 @@
 """The EAGLE-3 head's draft step at a fixed shape, entirely on the device (what its
-CUDA graph holds: draft_service.draft_graphs.DraftGraphs).
+CUDA graph holds: treespec.draft_service.draft_graphs.DraftGraphs).
 
 ``eagle3_step``: a [B, depth + 1] catch-up chain of committed pairs whose unused
 tail is padding, then ``expand_eagle3``: depth - 1 tree chunks whose hidden inputs
@@ -13,12 +13,12 @@ from types import ModuleType
 
 import torch
 
-from common.forward_batch import device_forward_batch, padded_chain_batch
-from common.kv_cache import PagedKVCache
-from common.tree import TreeEnvelope
-from draft_service.eagle3_head import Eagle3Head
-from draft_service.model_step import SampledChain, greedy_chain, scores
-from draft_service.tree_build import Expansion
+from treespec.common.runtime.forward_batch import device_forward_batch, padded_chain_batch
+from treespec.common.runtime.kv_cache import PagedKVCache
+from treespec.common.spec.tree import TreeEnvelope
+from treespec.draft_service.eagle3_head import Eagle3Head
+from treespec.draft_service.model_step import SampledChain, greedy_chain, scores
+from treespec.draft_service.tree_build import Expansion
 
 
 def expand_eagle3(head: Eagle3Head, cache: PagedKVCache, ops: ModuleType, env: TreeEnvelope,

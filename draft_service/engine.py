@@ -34,13 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import InvalidRequest
-from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
-from common.tree import TreeBatch, TreeEnvelope
-from draft_service.config import DraftConfig
-from draft_service.observer import DraftObserver, DraftStepRecord, NullDraftObserver
-from draft_service.proposer import Proposer, RowSampling
-from draft_service.registry import build_proposer
+from treespec.common.serving.errors import InvalidRequest
+from treespec.common.spec.messages import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
+from treespec.common.spec.tree import TreeBatch, TreeEnvelope
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.observer import DraftObserver, DraftStepRecord, NullDraftObserver
+from treespec.draft_service.proposer import Proposer, RowSampling
+from treespec.draft_service.registry import build_proposer
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import InvalidRequest
-from common.row_buffer import RowBuffer
-from draft_service.kv_drafter import DraftSeq, KVDrafter
+from treespec.common.serving.errors import InvalidRequest
+from treespec.common.runtime.row_buffer import RowBuffer
+from treespec.draft_service.kv_drafter import DraftSeq, KVDrafter
 
 
 @dataclass

@@ -20,8 +20,8 @@ units have draft KV. One step over the batch:
    only that many levels; DFlash takes the LM head on that many block positions).
 
 A batch with a sampling row drafts it with the request's seeded noise
-(common.sampling.draft_scores through tree_build.Expansion). The graphs:
-draft_service.draft_graphs.
+(treespec.common.spec.sampling.draft_scores through tree_build.Expansion). The graphs:
+treespec.draft_service.draft_graphs.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from types import ModuleType
 
 import torch
 
-from common.block_manager import OutOfPages
-from common.devices import bind_device, pick_device, pick_dtype
-from common.graph_buckets import BATCH_BUCKETS
-from common.kv_cache import PagedKVCache, SeqPages
-from common.sampling import SamplingParams
-from common.tree import PAD, TreeBatch, TreeEnvelope, budget_depths
-from draft_service.draft_graphs import DraftGraphs, Extra
-from draft_service.proposer import RowSampling
+from treespec.common.runtime.block_manager import OutOfPages
+from treespec.common.runtime.devices import bind_device, pick_device, pick_dtype
+from treespec.common.runtime.graph_buckets import BATCH_BUCKETS
+from treespec.common.runtime.kv_cache import PagedKVCache, SeqPages
+from treespec.common.spec.sampling import SamplingParams
+from treespec.common.spec.tree import PAD, TreeBatch, TreeEnvelope, budget_depths
+from treespec.draft_service.draft_graphs import DraftGraphs, Extra
+from treespec.draft_service.proposer import RowSampling
 
 log = logging.getLogger("treespec.draft")
 
@@ -80,7 +80,6 @@ class KVDrafter:
     wants back in ``_drafted``), and ``update`` (the Proposer protocol's)."""
 
     light = False
-    needs_model = True
     levels = False          # a shallower tree costs less: fewer forwards, or LM-head rows
 
     def __init__(self, cache: PagedKVCache, env: TreeEnvelope, ops: ModuleType,
@@ -269,6 +268,6 @@ class KVDrafter:
             for sid in ids:
                 self.release(sid)
         if gpu:
-            from kernels.triton_common import log_compiles
+            from treespec.kernels.triton_common import log_compiles
             log_compiles(log)
         return time.perf_counter() - t0

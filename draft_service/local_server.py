@@ -1,10 +1,10 @@
 """The Speculate stream on a Unix socket, for a verify service on the same host.
 
 Same messages, same servicer (``DrafterServicer.answer``), same step-id rule and
-the same errors as the gRPC stream (``common.grpc_server.status_for``); only the
-carrier differs (common/frames.py says why). Each connection is one stream: a
+the same errors as the gRPC stream (``treespec.common.serving.grpc_server.status_for``); only the
+carrier differs (common/wire/frames.py says why). Each connection is one stream: a
 hello frame with the draft's instance id (and, for a drafter that reads target
-hidden states, the connection's shared buffer: common/shared_buffer.py), then one
+hidden states, the connection's shared buffer: common/wire/shared_buffer.py), then one
 Proposal per SpeculateRequest, in order. A malformed message ends the connection
 with an ERROR frame.
 
@@ -26,12 +26,12 @@ import time
 import torch
 from google.protobuf.message import DecodeError
 
-from common import frames
-from common.errors import InvalidRequest
-from common.grpc_server import status_for
-from common.shared_buffer import SharedBuffer
-from draft_service.servicer import DrafterServicer, StepOrder
-from protos.treespec.v1 import treespec_pb2 as pb
+from treespec.common.wire import frames
+from treespec.common.serving.errors import InvalidRequest
+from treespec.common.serving.grpc_server import status_for
+from treespec.common.wire.shared_buffer import SharedBuffer
+from treespec.draft_service.servicer import DrafterServicer, StepOrder
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
 
 log = logging.getLogger("treespec.draft.local")
 

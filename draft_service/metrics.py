@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common.metrics import LATENCY_BUCKETS, MetricsServer
-from draft_service.observer import DraftStepRecord
+from treespec.common.serving.metrics import LATENCY_BUCKETS, MetricsServer
+from treespec.draft_service.observer import DraftStepRecord
 
 if TYPE_CHECKING:
-    from draft_service.engine import DraftEngine
+    from treespec.draft_service.engine import DraftEngine
 
 _NS = 1e-9
 

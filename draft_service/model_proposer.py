@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.forward_batch import build_forward_batch, chain_chunk
-from common.model_paths import resolve_model
-from common.qwen3 import Qwen3Model
-from common.tree import ROOT, TreeEnvelope, shallower
-from draft_service.kv_drafter import DraftSeq, KVDrafter
-from draft_service.model_step import catch_up_and_expand, level_depths
-from kernels.dispatch import select
+from treespec.common.runtime.forward_batch import build_forward_batch, chain_chunk
+from treespec.common.model.paths import resolve_model
+from treespec.common.model.qwen3 import Qwen3Model
+from treespec.common.spec.tree import ROOT, TreeEnvelope, shallower
+from treespec.draft_service.kv_drafter import DraftSeq, KVDrafter
+from treespec.draft_service.model_step import catch_up_and_expand, level_depths
+from treespec.kernels.dispatch import select
 
 if TYPE_CHECKING:
-    from draft_service.config import DraftConfig
+    from treespec.draft_service.config import DraftConfig
 
 
 @dataclass

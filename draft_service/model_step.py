@@ -1,5 +1,5 @@
 """The draft model's step at a fixed shape, entirely on the device (what its CUDA
-graph holds: draft_service.draft_graphs.DraftGraphs).
+graph holds: treespec.draft_service.draft_graphs.DraftGraphs).
 
 ``catch_up_and_expand``: a [B, depth + 1] catch-up chain whose unused tail is
 padding, then ``expand``: EAGLE-2 expansion over depth - 1 tree chunks
@@ -16,13 +16,13 @@ from typing import Callable
 
 import torch
 
-from common.forward_batch import (ForwardBatch, device_forward_batch, device_slots,
+from treespec.common.runtime.forward_batch import (ForwardBatch, device_forward_batch, device_slots,
                                   padded_chain_batch)
-from common.kv_cache import PagedKVCache
-from common.qwen3 import Qwen3Model
-from common.tree import TreeEnvelope
-from common.sampling import draft_scores
-from draft_service.tree_build import Expansion
+from treespec.common.runtime.kv_cache import PagedKVCache
+from treespec.common.model.qwen3 import Qwen3Model
+from treespec.common.spec.tree import TreeEnvelope
+from treespec.common.spec.sampling import draft_scores
+from treespec.draft_service.tree_build import Expansion
 
 
 def level_depths(env: TreeEnvelope, device: torch.device) -> list[torch.Tensor]:
@@ -36,11 +36,11 @@ def scores(logits: torch.Tensor, sampling: list[torch.Tensor] | None, position: 
            ids: torch.Tensor | None = None) -> tuple:
     """(log-probs, picks, q, columns) of logits [B, K, V] (or [B, V]) whose tokens
     would sit at position [B] (or [B, K]: each its own) of their sequences
-    (common.sampling.draft_scores): when the batch samples, over each row's W
+    (treespec.common.spec.sampling.draft_scores): when the batch samples, over each row's W
     candidate columns [B, K, W], with picks and q (ids, probs); else the log-probs
     [B, K, V] alone (sampling: each row's [temperature, top_k, top_p, min_p, seed]
-    (common.sampling.as_tensors) and rejection flag, then the batch's filter width,
-    an int: common.sampling.filter_width)."""
+    (treespec.common.spec.sampling.as_tensors) and rejection flag, then the batch's filter width,
+    an int: treespec.common.spec.sampling.filter_width)."""
     if sampling is None:
         return logits.float().log_softmax(-1), None, None, None
     k = logits.shape[1] if logits.dim() == 3 else 1
@@ -86,7 +86,7 @@ def greedy_chain(first: torch.Tensor, depth: int, ctx: torch.Tensor, table: torc
 
 class SampledChain:
     """A sampled chain's choice at each level (greedy_chain's forward ends in it): the
-    child is the level's first pick (common.sampling.draft_scores), whose q it keeps.
+    child is the level's first pick (treespec.common.spec.sampling.draft_scores), whose q it keeps.
     A chain's rerank is its depth order whatever the scores, so nothing else is kept."""
 
     def __init__(self, sampling: list[torch.Tensor], ids: torch.Tensor | None = None) -> None:

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.tree import PAD, ROOT, TreeBatch, TreeEnvelope
-from draft_service.ngram_index import NgramIndex
+from treespec.common.spec.tree import PAD, ROOT, TreeBatch, TreeEnvelope
+from treespec.draft_service.ngram_index import NgramIndex
 
 if TYPE_CHECKING:
-    from draft_service.config import DraftConfig
+    from treespec.draft_service.config import DraftConfig
 
 
 def merge_paths(paths: Iterable[list[int]], env: TreeEnvelope) -> tuple[list[int], list[int]]:
@@ -66,7 +66,6 @@ class NgramProposer:
 
     name = "ngram"
     light = True
-    needs_model = False
     vocab_size = 0
     target_hidden_layers: tuple[int, ...] = ()
     model = ""

@@ -3,7 +3,7 @@
 The engine imports neither OpenTelemetry nor prometheus-client: after each
 ``DraftEngine.step`` it hands a ``DraftStepRecord`` to its ``DraftObserver``
 (``NullDraftObserver`` by default, a method call per step). Implementations:
-``draft_service.metrics`` and ``draft_service.tracing``. Called on the engine's
+``treespec.draft_service.metrics`` and ``treespec.draft_service.tracing``. Called on the engine's
 worker thread, one step at a time.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common import fanout
-from common.spec_types import SpecRequest, SpecResponse
+from treespec.common.serving import fanout
+from treespec.common.spec.messages import SpecRequest, SpecResponse
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ Calling convention, per speculative step:
    ``seq_ids`` order (host tensors, the proposer's to give away). ``sampling`` is
    None when every row is greedy, else each row's RowSampling (None for a greedy
    row): a drafter that can picks the children of a sampling row's nodes as
-   common.sampling.draft_scores does; one that cannot (n-gram) ignores it.
+   treespec.common.spec.sampling.draft_scores does; one that cannot (n-gram) ignores it.
 
 A proposer must tolerate anything the engine lets through (a state it dropped on
 its own, accepted nodes that do not match): it recomputes rather than fails. A
@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from common.sampling import SamplingParams
-from common.tree import TreeBatch
+from treespec.common.spec.sampling import SamplingParams
+from treespec.common.spec.tree import TreeBatch
 
 if TYPE_CHECKING:
-    from draft_service.config import DraftConfig
+    from treespec.draft_service.config import DraftConfig
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,6 @@ class Proposer(Protocol):
     model: str                               # checkpoint it drafts with, "" if none
     light: bool                              # a step is host work far under 1 ms: the
                                              # servicer runs it on its event loop
-    needs_model: bool                        # DraftConfig.model is required
     # optional: levels = True when propose takes depth= (the verify takes nothing deeper;
     # such a drafter expands fewer levels, at fewer forwards); the others are pruned.
     # optional: projection, a [width, layers * hidden] tensor: the proposer's first use

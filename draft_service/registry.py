@@ -1,17 +1,18 @@
-"""Draft method name -> proposer class: the one place a method is named."""
+"""Draft method name -> proposer class (config.METHODS names the methods and says which
+load a checkpoint; a test holds the two to the same names)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from draft_service.dflash_proposer import DFlashProposer
-from draft_service.eagle3_proposer import Eagle3Proposer
-from draft_service.model_proposer import ModelProposer
-from draft_service.ngram import NgramProposer
-from draft_service.proposer import Proposer
+from treespec.draft_service.dflash_proposer import DFlashProposer
+from treespec.draft_service.eagle3_proposer import Eagle3Proposer
+from treespec.draft_service.model_proposer import ModelProposer
+from treespec.draft_service.ngram import NgramProposer
+from treespec.draft_service.proposer import Proposer
 
 if TYPE_CHECKING:
-    from draft_service.config import DraftConfig
+    from treespec.draft_service.config import DraftConfig
 
 PROPOSERS: dict[str, type[Proposer]] = {
     "ngram": NgramProposer,

@@ -7,16 +7,16 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from common.grpc_server import run_server, start_server
-from common.telemetry import DRAFT_SERVICE_NAME, tracer_provider_from_env
-from draft_service.config import DraftConfig
-from draft_service.engine import DraftEngine
-from draft_service.local_server import LocalServer, peer_check_possible
-from draft_service.observer import DraftObserver, combine
-from draft_service.proposer import Proposer
-from draft_service.servicer import DrafterServicer
-from protos.treespec.v1 import treespec_pb2 as pb
-from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from treespec.common.serving.grpc_server import run_server, start_server
+from treespec.common.serving.telemetry import DRAFT_SERVICE_NAME, tracer_provider_from_env
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.engine import DraftEngine
+from treespec.draft_service.local_server import LocalServer, peer_check_possible
+from treespec.draft_service.observer import DraftObserver, combine
+from treespec.draft_service.proposer import Proposer
+from treespec.draft_service.servicer import DrafterServicer
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
+from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
 log = logging.getLogger("treespec.draft")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name   # "treespec.v1.Drafter"
@@ -46,13 +46,13 @@ def build_engine(cfg: DraftConfig, proposer: Proposer | None,
     engine = DraftEngine(cfg, proposer)
     observers: list[DraftObserver] = []
     if cfg.metrics_port is not None:
-        from draft_service.metrics import DraftMetrics
+        from treespec.draft_service.metrics import DraftMetrics
         metrics = DraftMetrics(cfg.method)
         metrics.watch(engine)
         metrics.serve(cfg.host, cfg.metrics_port)
         observers.append(metrics)
     if tracer_provider is not None:
-        from draft_service.tracing import DraftTracer
+        from treespec.draft_service.tracing import DraftTracer
         observers.append(DraftTracer(tracer_provider))
     engine.observer = combine(observers)
     return engine

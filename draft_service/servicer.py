@@ -23,12 +23,12 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 import grpc
 
-from common import codec, frames, wire
-from common.errors import InvalidRequest
-from common.shared_buffer import SharedBuffer
-from draft_service.engine import DraftEngine
-from protos.treespec.v1 import treespec_pb2 as pb
-from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from treespec.common.wire import codec, frames, convert as wire
+from treespec.common.serving.errors import InvalidRequest
+from treespec.common.wire.shared_buffer import SharedBuffer
+from treespec.draft_service.engine import DraftEngine
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
+from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
 
 PROJECTION_BLOCK_BYTES = 4 << 20
@@ -85,7 +85,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     async def answer(self, msg: pb.SpeculateRequest, received_ns: int,
                      shared: SharedBuffer | None = None) -> pb.Proposal:
         """One step of a Speculate stream, whichever carrier brought it (this gRPC
-        stream or draft_service.local_server's Unix socket, with its shared buffer),
+        stream or treespec.draft_service.local_server's Unix socket, with its shared buffer),
         stamped with when its request was read (received_ns) and when the answer
         leaves."""
         if not msg.sequences and not msg.released:      # a no-op (see the proto)

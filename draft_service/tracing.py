@@ -19,8 +19,8 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind
 
-from common.telemetry import extract, tracer_of
-from draft_service.observer import DraftStepRecord
+from treespec.common.serving.telemetry import extract, tracer_of
+from treespec.draft_service.observer import DraftStepRecord
 
 
 class DraftTracer:

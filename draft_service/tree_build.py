@@ -11,12 +11,12 @@ shapes never depend on the data:
   become the next frontier. Frontier nodes of levels 1 .. depth-1 are what the
   draft forwards: one tree chunk holding all of them, frontier of level l at
   chunk positions ``(l-1)*K .. l*K - 1``;
-* a row that samples (common.sampling.draft_scores) chooses each node's K children
+* a row that samples (treespec.common.spec.sampling.draft_scores) chooses each node's K children
   by their picks, the log-probs plus the Gumbel noise the target draws with: a draw
   without replacement whose first child is the target's draw wherever the two
   models agree. Such a row is *static*: its i-th child (in pick order) scores
   ``ln 0.8 + i ln 0.2`` whatever its token, so the tree's shape never depends on
-  what was drawn (rejection sampling, kernels.reference.rejection_walk, needs that; coupled
+  what was drawn (rejection sampling, treespec.kernels.reference.rejection_walk, needs that; coupled
   acceptance gains by it, since the first picks are the likeliest accepted): a
   main chain of first children, later siblings where they fit. Each node keeps the
   q its siblings were drawn from (``q_ids``, ``q_probs``) when given;
@@ -102,7 +102,7 @@ class Expansion:
              cols: torch.Tensor | None = None) -> None:
         """Add level + 1 from logp [B, K, V], the next-token log-probs of the
         level-`level` frontier (chunk positions (level-1)*K .. level*K - 1); pick
-        (same shape) chooses the children when given (common.sampling.draft_scores),
+        (same shape) chooses the children when given (treespec.common.spec.sampling.draft_scores),
         else the log-probs do; q (ids, probs) [B, K, Q] each frontier node's q; cols
         (same shape as logp): the token of each column, when not the vocabulary's."""
         b, k = self.frontier.shape

@@ -1,5 +1,5 @@
 """Kernels of treespec: paged tree attention, KV write, accept walk, KV compaction.
 
-``kernels.reference`` is the pure-torch oracle and the CPU path; ``kernels.dispatch``
+``treespec.kernels.reference`` is the pure-torch oracle and the CPU path; ``treespec.kernels.dispatch``
 chooses the backend once per engine.
 """

@@ -8,6 +8,8 @@ from typing import Literal
 
 import torch
 
+from treespec.kernels.availability import triton_available
+
 Backend = Literal["auto", "reference", "triton"]
 
 KERNEL_NAMES = ("write_kv", "paged_tree_attention", "tree_ancestors", "accept_greedy",
@@ -16,22 +18,12 @@ KERNEL_NAMES = ("write_kv", "paged_tree_attention", "tree_ancestors", "accept_gr
                 "linear_silu_mul", "vocab_stats")
 
 
-def triton_available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        importlib.import_module("kernels.triton_backend")
-    except ImportError:
-        return False
-    return True
-
-
 def select(device: torch.device, backend: Backend = "auto") -> ModuleType:
     """The module whose functions named in KERNEL_NAMES the engine calls."""
     if backend == "auto":
         backend = "triton" if triton_available(device) else "reference"
     if backend == "reference":
-        return importlib.import_module("kernels.reference")
+        return importlib.import_module("treespec.kernels.reference")
     if backend == "triton":
-        return importlib.import_module("kernels.triton_backend")
+        return importlib.import_module("treespec.kernels.triton_backend")
     raise ValueError(f"unknown kernel backend {backend!r}")

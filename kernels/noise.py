@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import triton_available
+from treespec.kernels.availability import triton_available
 
-# kernels.reference.rejection_walk's: the uniforms of its accept tests, its bonus draws
+# treespec.kernels.reference.rejection_walk's: the uniforms of its accept tests, its bonus draws
 ACCEPT_SALT = 0x2545F491
 BONUS_SALT = 0x6A09E667
 _M32 = 0xFFFFFFFF
@@ -41,7 +41,7 @@ def uniform_noise(seed: torch.Tensor, position: torch.Tensor, ids: torch.Tensor 
     Counter-based: the same key gives the same number on any device, in any batch,
     for an id whatever else is drawn beside it."""
     if triton_available(seed.device):
-        from kernels.triton_noise import uniform_noise as on_device
+        from treespec.kernels.triton_noise import uniform_noise as on_device
         return on_device(seed, position, ids)
     key = _mix32(_mix32(seed.long()) ^ position.long())
     if isinstance(ids, int):

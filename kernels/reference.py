@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from common.tree import PAD
-from kernels.noise import BONUS_SALT, accept_uniforms, gumbel_noise
+from treespec.kernels.noise import BONUS_SALT, accept_uniforms, gumbel_noise
 
+PAD = -2            # a chunk parent (and a tree node's parent): padding, seen by no query
 BLOCK = -3          # a chunk parent: the query sees its whole chunk (padding aside)
 
 

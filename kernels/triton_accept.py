@@ -1,7 +1,7 @@
 """The greedy accept walk on the device (Triton), with its launcher.
 
 One program per sequence holds the whole tree (N <= a few hundred nodes) in
-registers and walks it from the root exactly as ``kernels.reference.accept_greedy``:
+registers and walks it from the root exactly as ``treespec.kernels.reference.accept_greedy``:
 at each level, the lowest-index node whose parent is the current node and whose
 draft token equals the target's choice there becomes the current node.
 """
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (INDEX_DTYPES, check_devices, check_dtype, check_shape, next_pow2,
+from treespec.kernels.triton_common import (INDEX_DTYPES, check_devices, check_dtype, check_shape, next_pow2,
                                    vmin)
 
 
@@ -44,7 +44,7 @@ def _accept_greedy_kernel(tok_ptr, par_ptr, tgt_ptr, acc_ptr, num_ptr, bonus_ptr
 def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor,
                   target_ids: torch.Tensor, max_depth: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The greedy accept walk over a batch of trees (see kernels.reference).
+    """The greedy accept walk over a batch of trees (see treespec.kernels.reference).
 
     tokens, parents [B, N]; target_ids [B, N + 1]. Returns accepted
     [B, max_depth] int32 (padded with -1), num_accepted [B] int32 and bonus [B]

@@ -1,7 +1,7 @@
 """Tree ancestors as bit words (Triton), with its launcher: the mask a tree's queries
 apply to the tree's own keys, computed once per fixed-shape verify forward so that
 each layer's attention (kernels/triton_tree_attention.py) reads it instead of walking
-parents up. Semantics: ``kernels.reference.tree_ancestors``."""
+parents up. Semantics: ``treespec.kernels.reference.tree_ancestors``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (INDEX_DTYPES, check_devices, check_dtype, check_shape,
+from treespec.kernels.triton_common import (INDEX_DTYPES, check_devices, check_dtype, check_shape,
                                    launch_options, next_pow2, pdl_enter, vmax)
 
 
@@ -49,7 +49,7 @@ def _tree_ancestors_kernel(par_ptr, out_ptr, t_len, W: tl.constexpr, BLOCK_W: tl
 
 
 def tree_ancestors(chunk_parents: torch.Tensor) -> torch.Tensor:
-    """See kernels.reference.tree_ancestors."""
+    """See treespec.kernels.reference.tree_ancestors."""
     where = "tree_ancestors"
     check_devices(_tree_ancestors_kernel, where, chunk_parents=chunk_parents)
     check_dtype(where, "chunk_parents", chunk_parents, INDEX_DTYPES)

@@ -1,18 +1,18 @@
-"""The Triton backend: the functions of ``kernels.dispatch.KERNEL_NAMES``, with the
-signatures and semantics of ``kernels.reference``. Each kernel lives in its own
+"""The Triton backend: the functions of ``treespec.kernels.dispatch.KERNEL_NAMES``, with the
+signatures and semantics of ``treespec.kernels.reference``. Each kernel lives in its own
 module beside its launcher; this module only gathers them."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels import reference, triton_gemv, triton_rejection
-from kernels.triton_accept import accept_greedy
-from kernels.triton_fused import add_rms_norm, qk_norm_rope_write, rms_norm, silu_mul
-from kernels.triton_kv import compact_kv, write_kv
-from kernels.triton_tree_attention import paged_tree_attention as _paged_tree_attention
-from kernels.triton_ancestors import tree_ancestors
-from kernels.triton_vocab import vocab_stats
+from treespec.kernels import reference, triton_gemv, triton_rejection
+from treespec.kernels.triton_accept import accept_greedy
+from treespec.kernels.triton_fused import add_rms_norm, qk_norm_rope_write, rms_norm, silu_mul
+from treespec.kernels.triton_kv import compact_kv, write_kv
+from treespec.kernels.triton_tree_attention import paged_tree_attention as _paged_tree_attention
+from treespec.kernels.triton_ancestors import tree_ancestors
+from treespec.kernels.triton_vocab import vocab_stats
 
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -28,14 +28,14 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, silu: bool,
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """See kernels.reference.linear."""
+    """See treespec.kernels.reference.linear."""
     if _skinny(x, weight, False, bias):
         return triton_gemv.linear(x, weight)
     return reference.linear(x, weight, bias)
 
 
 def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    """See kernels.reference.linear_silu_mul."""
+    """See treespec.kernels.reference.linear_silu_mul."""
     if _skinny(x, gate_up, True):
         return triton_gemv.linear_silu_mul(x, gate_up)
     return silu_mul(reference.linear(x, gate_up))
@@ -45,7 +45,7 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          block_tables: torch.Tensor, context_lens: torch.Tensor,
                          cu_q: torch.Tensor, chunk_parents: torch.Tensor,
                          scale: float, ancestors: torch.Tensor | None = None) -> torch.Tensor:
-    """See kernels.reference.paged_tree_attention."""
+    """See treespec.kernels.reference.paged_tree_attention."""
     return _paged_tree_attention(q, k_cache, v_cache, block_tables, context_lens, cu_q,
                                  chunk_parents, scale, ancestors)
 
@@ -54,7 +54,7 @@ def rejection_walk(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Ten
                    p_ids: torch.Tensor | None, q_ids: torch.Tensor, q_probs: torch.Tensor,
                    seed: torch.Tensor, position: torch.Tensor, max_depth: int, siblings: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See kernels.reference.rejection_walk: one program per row over a sparse p (the
+    """See treespec.kernels.reference.rejection_walk: one program per row over a sparse p (the
     verify step's top-k candidates); a dense p (the whole vocabulary) takes the
     reference."""
     walk = reference.rejection_walk if p_ids is None else triton_rejection.rejection_walk

@@ -1,17 +1,17 @@
 """Sampling over a row's top-W candidates in one kernel (Triton), for a batch whose
 drawing rows all filter by top-k within W (Qwen3's default top-k 20 among 64):
 
-* ``score_candidates``: what common.sampling.draft_scores computes after the top-W
+* ``score_candidates``: what treespec.common.spec.sampling.draft_scores computes after the top-W
   selection: a drafter's filtered log-probs, the rejection rows' q (the first Q,
   renormalised), the Gumbel noise of (seed, position, target id) and the picks; a
   greedy row gets its log-softmax (logits minus their logsumexp, given);
-* ``filter_draw``: what common.sampling.filter_draw computes after it: the
+* ``filter_draw``: what treespec.common.spec.sampling.filter_draw computes after it: the
   filtered values and the drawn token (the verify's draw at every node).
 
 One program per row holds its W candidates (sorted descending, logits / T) in
 registers and applies top-k, top-p and min-p. On the H200 the same in torch is ~40
 small kernels a call (a drafter calls it once a level). The torch paths in
-common/sampling.py are the reference; the noise is hashed as kernels/noise.py does,
+common/spec/sampling.py are the reference; the noise is hashed as kernels/noise.py does,
 its logs taken in float32 on the device.
 """
 
@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_dtype,
+from treespec.kernels.triton_common import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_dtype,
                                    check_shape, next_pow2, vcumsum, vmax, vmin, vsum)
-from kernels.triton_noise import mix32, uniform
+from treespec.kernels.triton_noise import mix32, uniform
 
 MAX_WIDTH = 256             # candidates a row that one program holds
 
@@ -31,7 +31,7 @@ MAX_WIDTH = 256             # candidates a row that one program holds
 @triton.jit
 def _filter(x, rank, inside, top_k, top_p, min_p):
     """Which of a row's candidates x (sorted descending, logits / T; -inf past W)
-    survive top-k, top-p and min-p (common.sampling.filter_sparse), and the largest."""
+    survive top-k, top-p and min-p (treespec.common.spec.sampling.filter_sparse), and the largest."""
     first = vmax(x, 0)
     keep = inside & ((top_k <= 0) | (rank < top_k))                            # top-k
     e = tl.where(keep, tl.exp(x - first), 0.0)
@@ -42,7 +42,7 @@ def _filter(x, rank, inside, top_k, top_p, min_p):
 
 @triton.jit
 def _gumbel(seed, pos, ids):
-    """kernels.noise.gumbel_noise of ids for the row keyed (seed, pos)."""
+    """treespec.kernels.noise.gumbel_noise of ids for the row keyed (seed, pos)."""
     return -tl.log(-tl.log(uniform(mix32(mix32(seed.to(tl.int64)) ^ pos.to(tl.int64)), ids)))
 
 
@@ -133,7 +133,7 @@ def filter_draw(x: torch.Tensor, cols: torch.Tensor, temperature: torch.Tensor,
                 top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                 seed: torch.Tensor, position: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x, cols as for score_candidates; per-row parameters [R] -> common.sampling's
+    """x, cols as for score_candidates; per-row parameters [R] -> treespec.common.spec.sampling's
     filter_sparse (values [R, W], cols) and each drawing row's token [R] int64 (-1
     where T is 0: the caller takes the argmax of the logits)."""
     r, w = _check("filter_draw", _draw_kernel, x, cols, 1, temperature=temperature,

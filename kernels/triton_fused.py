@@ -1,7 +1,7 @@
 """The per-layer fused kernels (Triton), with their launchers: one kernel each for
 residual add + RMSNorm, q/k RMSNorm + RoPE + KV write, and SiLU(gate) * up.
 
-Semantics are kernels.reference's ``add_rms_norm``, ``qk_norm_rope_write`` and
+Semantics are treespec.kernels.reference's ``add_rms_norm``, ``qk_norm_rope_write`` and
 ``silu_mul`` (which the tests hold them to). Inside a CUDA graph each small
 kernel costs a few microseconds whatever it does, so a decoder layer here has
 four of them besides its four GEMMs and attention.
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_dtype,
+from treespec.kernels.triton_common import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_dtype,
                                    check_shape, launch_options, next_pow2, pdl_enter, vsum)
 
 
@@ -42,7 +42,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """See kernels.reference.add_rms_norm. x, residual [T, H]; weight [H]."""
+    """See treespec.kernels.reference.add_rms_norm. x, residual [T, H]; weight [H]."""
     where = "add_rms_norm"
     tensors = dict(x=x, weight=weight) if residual is None else dict(x=x, residual=residual,
                                                                      weight=weight)
@@ -122,7 +122,7 @@ def qk_norm_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor | None,
                        inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slots: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float
                        ) -> torch.Tensor:
-    """See kernels.reference.qk_norm_rope_write. One program per (token, q or kv head)."""
+    """See treespec.kernels.reference.qk_norm_rope_write. One program per (token, q or kv head)."""
     where = "qk_norm_rope_write"
     norms = {} if q_norm is None else dict(q_norm=q_norm, k_norm=k_norm)
     check_devices(_qk_norm_rope_kernel, where, qkv=qkv, positions=positions,
@@ -172,7 +172,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, n, s_x, s_o, BLOCK: tl.constexpr, PDL: tl.c
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """See kernels.reference.silu_mul. gate_up [T, 2I] -> [T, I]."""
+    """See treespec.kernels.reference.silu_mul. gate_up [T, 2I] -> [T, I]."""
     where = "silu_mul"
     check_devices(_silu_mul_kernel, where, gate_up=gate_up)
     check_dtype(where, "gate_up", gate_up, FLOAT_DTYPES)

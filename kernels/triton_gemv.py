@@ -13,7 +13,7 @@ plus separate small kernels pays extra launches. Here:
   not depend on how many rows came with it.
 * ``linear_silu_mul`` reads the gate rows [n, n+BN) and the up rows
   [I+n, I+n+BN) of the fused gate_up weight in the same program and writes
-  silu(gate) * up, with the same roundings as ``kernels.reference.silu_mul``
+  silu(gate) * up, with the same roundings as ``treespec.kernels.reference.silu_mul``
   applied to a bf16 gate_up (so it equals ``silu_mul(linear(x, W))``).
 
 Tile sizes come from ``pick_config`` (measured on an H200 by bench/gemv_probe.py)
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (FLOAT_DTYPES, check_devices, check_dtype, check_shape,
+from treespec.kernels.triton_common import (FLOAT_DTYPES, check_devices, check_dtype, check_shape,
                                    launch_options, pdl_enter)
 
 MAX_ROWS = 128

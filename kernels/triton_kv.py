@@ -1,10 +1,10 @@
 """KV page writes and accepted-path compaction (Triton), with their launchers.
 
-Same layout and semantics as ``kernels.reference.write_kv`` / ``compact_kv``: a
+Same layout and semantics as ``treespec.kernels.reference.write_kv`` / ``compact_kv``: a
 flat slot id is ``page * block_size + offset``; a slot's row is
 ``[kv_heads, head_dim]``.
 
-Why ``compact_kv`` is race-free. The moves come from ``common.accept.commit_kv``
+Why ``compact_kv`` is race-free. The moves come from ``treespec.common.spec.accept.commit_kv``
 (and the draft model's rollback, in the same order): per sequence, dst is strictly
 increasing and src >= dst; different sequences own disjoint slots. Hence no move ever reads a slot that an *earlier* move writes
 (src_m >= dst_m > dst_j for j < m), so the only hazard is write-after-read: move k
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_dtype,
+from treespec.kernels.triton_common import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_dtype,
                                    check_paged, check_shape, check_unit_last, next_pow2)
 
 

@@ -9,12 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import INDEX_DTYPES, check_devices, check_dtype, check_shape
+from treespec.kernels.triton_common import INDEX_DTYPES, check_devices, check_dtype, check_shape
 
 
 @triton.jit
 def mix32(x):
-    """kernels.noise._mix32 on int64 values below 2^32."""
+    """treespec.kernels.noise._mix32 on int64 values below 2^32."""
     x = x & 0xFFFFFFFF
     x = ((x ^ (x >> 16)) * 0x7FEB352D) & 0xFFFFFFFF
     x = ((x ^ (x >> 15)) * 0x846CA68B) & 0xFFFFFFFF
@@ -23,7 +23,7 @@ def mix32(x):
 
 @triton.jit
 def uniform(key, ids):
-    """kernels.noise.uniform_noise of ids under a row's key (mix32(mix32(seed) ^ pos))."""
+    """treespec.kernels.noise.uniform_noise of ids under a row's key (mix32(mix32(seed) ^ pos))."""
     return ((mix32(key ^ ids) >> 8).to(tl.float32) + 0.5) / 16777216.0
 
 
@@ -43,7 +43,7 @@ def _uniform_kernel(seed_ptr, pos_ptr, ids_ptr, out_ptr, v, ids_row_stride,
 
 def uniform_noise(seed: torch.Tensor, position: torch.Tensor, ids: torch.Tensor | int
                   ) -> torch.Tensor:
-    """See kernels.noise.uniform_noise."""
+    """See treespec.kernels.noise.uniform_noise."""
     where = "uniform_noise"
     r = seed.shape[0]
     check_shape(where, "seed", seed, (r,))

@@ -1,7 +1,7 @@
 """Recursive rejection sampling over trees on the device (Triton), with its launcher.
 
 One program per sequence walks its tree from the root exactly as
-``kernels.reference.rejection_walk`` does, for a target distribution that is sparse:
+``treespec.kernels.reference.rejection_walk`` does, for a target distribution that is sparse:
 its W candidates (a top-k selection, W <= 64 as the verify step makes it) and a q of
 Q ids per node stay in registers, so a whole walk of depth D with S siblings tried
 per node is D x S vector steps in one kernel instead of hundreds of small ones over
@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.noise import ACCEPT_SALT, BONUS_SALT
-from kernels.triton_common import (INDEX_DTYPES, check_devices, check_dtype, check_shape,
+from treespec.kernels.noise import ACCEPT_SALT, BONUS_SALT
+from treespec.kernels.triton_common import (INDEX_DTYPES, check_devices, check_dtype, check_shape,
                                    next_pow2, vcumsum, vmax, vmin, vsum)
-from kernels.triton_noise import mix32, uniform
+from treespec.kernels.triton_noise import mix32, uniform
 
 
 @triton.jit
@@ -97,7 +97,7 @@ def rejection_walk(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Ten
                    p_ids: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
                    seed: torch.Tensor, position: torch.Tensor, max_depth: int, siblings: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See kernels.reference.rejection_walk; p_ids must be given (a sparse p)."""
+    """See treespec.kernels.reference.rejection_walk; p_ids must be given (a sparse p)."""
     where = "rejection_walk"
     check_devices(_rejection_walk_kernel, where, tokens=tokens, parents=parents, probs=probs,
                   p_ids=p_ids, q_ids=q_ids, q_probs=q_probs, seed=seed, position=position)

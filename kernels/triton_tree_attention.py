@@ -1,6 +1,6 @@
 """Paged tree attention (Triton), with its launcher.
 
-Semantics and layout are ``kernels.reference.paged_tree_attention``: each chunk
+Semantics and layout are ``treespec.kernels.reference.paged_tree_attention``: each chunk
 query attends to its sequence's ``context_lens[b]`` committed slots and to its
 chunk ancestors-or-self given by ``chunk_parents`` (padding sees only itself,
 nobody sees padding). Prefill, decode and tree verify all run through it.
@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_dtype,
+from treespec.kernels.triton_common import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_dtype,
                                    check_paged, check_shape, check_unit_last, interpreted, launch_options,
                                    next_pow2, pdl_enter, vcumsum, vmax, vsum)
 
@@ -275,7 +275,7 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     cu_q [B + 1]; chunk_parents [total_q]. D a power of two >= 16. Returns
     [total_q, q_heads, D] in q's dtype. The keyword arguments override the tiling
     (tests use them to force splits and small tiles). ancestors: ``tree_ancestors``
-    of the chunks, all of one length (see kernels.reference.paged_tree_attention).
+    of the chunks, all of one length (see treespec.kernels.reference.paged_tree_attention).
     """
     where = "paged_tree_attention"
     check_devices(_tree_attention_kernel, where, q=q, k_cache=k_cache, v_cache=v_cache,

@@ -1,4 +1,4 @@
-"""kernels.reference.vocab_stats on the device (Triton): each row's log-sum-exp and its
+"""treespec.kernels.reference.vocab_stats on the device (Triton): each row's log-sum-exp and its
 chunks' maxima in one read of the logits, where log_softmax would write a whole
 log-probability tensor. A program takes a segment of chunk x BLOCK_CHUNKS x ITERATIONS
 columns of a row (so that a few rows still fill the device) and keeps an online maximum
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (FLOAT_DTYPES, check_devices, check_dtype, check_unit_last,
+from treespec.kernels.triton_common import (FLOAT_DTYPES, check_devices, check_dtype, check_unit_last,
                                    vmax, vsum)
 
 BLOCK_CHUNKS = 8            # chunks a loop iteration loads
@@ -45,7 +45,7 @@ def _stats_kernel(x_ptr, seg_max_ptr, seg_sum_ptr, chunk_max_ptr, v, x_row_strid
 
 
 def vocab_stats(logits: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """See kernels.reference.vocab_stats."""
+    """See treespec.kernels.reference.vocab_stats."""
     where = "vocab_stats"
     if logits.dim() != 2:
         raise ValueError(f"{where}: logits must be [rows, vocab], "

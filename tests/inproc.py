@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from transformers import Qwen3ForCausalLM
 
-from common.tree import envelope_from
-from draft_service.config import DraftConfig
-from verify_service.config import VerifyConfig
+from treespec.common.spec.tree import envelope_from
+from treespec.draft_service.config import DraftConfig
+from treespec.verify_service.config import VerifyConfig
 
 _hf_cache: dict[str, Qwen3ForCausalLM] = {}
 
@@ -41,8 +41,8 @@ async def services(target: Path, method: str | None = None, draft_model: Path | 
     The verify speculates on every step (speculation="always") unless told otherwise:
     these tests are about the speculative path, which the adaptive controller leaves
     on the CPU, where a draft step costs more than it buys (tests/test_controller.py)."""
-    from draft_service import server as draft_server
-    from verify_service import server as verify_server
+    from treespec.draft_service import server as draft_server
+    from treespec.verify_service import server as verify_server
 
     handles: dict = {}
     draft = None

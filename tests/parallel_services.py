@@ -10,7 +10,7 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from common.launch import ServiceProcess, child_env
+from treespec.common.serving.launch import ServiceProcess, child_env
 
 STARTUP_S = 120.0
 

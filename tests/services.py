@@ -21,11 +21,11 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from common.client import TreespecClient
-from common.launch import ServiceProcess, child_env, cli_command, start_service
+from treespec.common.client import TreespecClient
+from treespec.common.serving.launch import ServiceProcess, child_env, cli_command, start_service
 from parallel_services import free_port
 
-SERVER_MODULES = ("draft_service.server", "verify_service.server")
+SERVER_MODULES = ("treespec.draft_service.server", "treespec.verify_service.server")
 STARTUP_S = 120.0
 
 

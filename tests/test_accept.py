@@ -6,8 +6,8 @@ import torch
 
 from types import SimpleNamespace
 
-from common.accept import commit_kv
-from kernels import reference as ref
+from treespec.common.spec.accept import commit_kv
+from treespec.kernels import reference as ref
 
 
 def t(x):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from common.aio import spin_until
+from treespec.common.serving.aio import spin_until
 
 
 def test_spin_until_returns_once_the_condition_holds_and_lets_others_run():

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from common.client import AsyncTreespecClient, TreespecError
+from treespec.common.client import AsyncTreespecClient, TreespecError
 from inproc import services
 
 TARGET = "tiny-code"

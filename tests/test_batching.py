@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from common.client import AsyncTreespecClient, TreespecError
+from treespec.common.client import AsyncTreespecClient, TreespecError
 from inproc import greedy_reference, services
 from tests_data import EOS_PROMPT
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from common.launch import child_env, cli_command
+from treespec.common.serving.launch import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--target-shape", "tiny", "--draft-shape", "tiny", "--device", "cpu"]
@@ -40,9 +40,9 @@ def bench_argv(name: str, d: Path) -> tuple[list[str], dict[str, str] | None]:
                          "--pairs", "1",
                          "--verify-args=--speculation always --step-deadline-ms 5000"], None
     assert name == "bench-accept"
-    return cli_command("bench-accept", "--methods", "ngram,model", "--envelopes", "chain4,2x2x3",
-                       "--files", "2", "--prompt-tokens", "48", "--max-tokens", "16",
-                       "--device", "cpu", "--json", out), child_env()
+    return [sys.executable, str(ROOT / "bench" / "bench_accept.py"), "--methods", "ngram,model",
+            "--envelopes", "chain4,2x2x3", "--files", "2", "--prompt-tokens", "48",
+            "--max-tokens", "16", "--device", "cpu", "--json", out], child_env()
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.block_manager import BlockManager, OutOfPages
+from treespec.common.runtime.block_manager import BlockManager, OutOfPages
 
 
 def test_allocate_share_free_round_trip():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from verify_service.controller import Controller, Plan
+from treespec.verify_service.controller import Controller, Plan
 
 
 class Cycling:
@@ -37,7 +37,7 @@ def test_every_budget_is_lossless_greedy_and_seeded(target_dir, speculation):
     without speculation."""
     import asyncio
 
-    from common.client import AsyncTreespecClient
+    from treespec.common.client import AsyncTreespecClient
     from inproc import greedy_reference, services
 
     async def go(spec: bool):

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from common import cli
-from common.launch import child_env
-from common.tree import PRESETS, TreeEnvelope
-from draft_service.config import DraftConfig
+from treespec.common import cli
+from treespec.common.serving.launch import child_env
+from treespec.common.spec.tree import PRESETS, TreeEnvelope
+from treespec.draft_service.config import DraftConfig
 from fake_generation import FakeGeneration, FakeServer
-from verify_service.config import VerifyConfig
+from treespec.verify_service.config import VerifyConfig
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def exit_code(*argv: str) -> int:
 
 def test_draft_defaults(served):
     code, module, cfg = served("draft", "--method", "ngram", "--port", "0")
-    assert (code, module) == (0, "draft_service.server")
+    assert (code, module) == (0, "treespec.draft_service.server")
     assert cfg == DraftConfig(method="ngram", envelope=PRESETS["chain4"], port=0)
 
 
@@ -63,7 +63,7 @@ def test_draft_custom_envelope_and_every_flag(served, draft_dir):
 
 def test_verify_defaults_and_every_flag(served, target_dir):
     code, module, cfg = served("verify", "--model", str(target_dir), "--port", "0")
-    assert (code, module) == (0, "verify_service.server")
+    assert (code, module) == (0, "treespec.verify_service.server")
     assert cfg == VerifyConfig(model=str(target_dir), port=0)
     _, _, cfg = served("verify", "--model", str(target_dir), "--draft", "10.0.0.2:5001",
                        "--port", "5000", "--host", "::", "--device", "cuda:0", "--dtype",
@@ -191,8 +191,9 @@ def test_generate_server_error_exits_1_with_the_status(capsys):
 
 
 def test_importing_the_cli_loads_no_service_and_no_torch():
-    code = ("import sys, common.cli; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'transformers', 'draft_service', 'verify_service')); print(bad); "
+    code = ("import sys, treespec.common.cli; bad = sorted(m for m in sys.modules if "
+            "m.split('.')[0] in ('torch', 'transformers') or m.startswith(("
+            "'treespec.draft_service', 'treespec.verify_service'))); print(bad); "
             "sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=child_env(), timeout=60)
@@ -200,6 +201,6 @@ def test_importing_the_cli_loads_no_service_and_no_torch():
 
 
 def test_python_dash_m_runs_the_cli():
-    proc = subprocess.run([sys.executable, "-m", "common.cli", "draft", "--help"],
+    proc = subprocess.run([sys.executable, "-m", "treespec.common.cli", "draft", "--help"],
                           capture_output=True, text=True, env=child_env(), timeout=60)
     assert proc.returncode == 0 and "--envelope" in proc.stdout

@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 import services
-from common.client import TreespecClient
+from treespec.common.client import TreespecClient
 
 pytestmark = pytest.mark.skipif(services.servers_missing() is not None,
                                 reason=f"{services.servers_missing()}: the services are being "
@@ -129,7 +129,7 @@ def test_draft_service_stops_cleanly_on_sigterm():
 @pytest.mark.parametrize("busy_poll", ["off", "on"])
 def test_the_local_carrier_works_in_the_cli_services(target_dir, reference, busy_poll):
     """The services run on uvloop, which refuses abstract socket addresses given as
-    strings: until common.frames made the sockets itself, `--local-socket auto` fell
+    strings: until treespec.common.wire.frames made the sockets itself, `--local-socket auto` fell
     back to gRPC unnoticed."""
     carrier = "unix socket"
     with services.stack(target_dir, "ngram",                     # --local-socket auto: default

@@ -1,4 +1,4 @@
-"""common/client.py against an in-process fake Generation server, sync and asyncio."""
+"""common/client/sdk.py against an in-process fake Generation server, sync and asyncio."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from common.client import (AsyncTreespecClient, Completion, TreespecClient, TreespecError,
+from treespec.common.client import (AsyncTreespecClient, Completion, TreespecClient, TreespecError,
                            build_request)
 from fake_generation import FakeGeneration, FakeServer
 

@@ -1,4 +1,4 @@
-"""Tensors and Drafter messages survive the wire: common/codec.py and common/wire.py."""
+"""Tensors and Drafter messages survive the wire: common/wire/codec.py and common/wire/convert.py."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from common import codec, wire
-from common.shared_buffer import SHM_DIR, SharedBuffer
-from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
-from common.tree import PRESETS, TreeBatch, TreeEnvelope
-from protos.treespec.v1 import treespec_pb2 as pb
+from treespec.common.wire import codec, convert as wire
+from treespec.common.wire.shared_buffer import SHM_DIR, SharedBuffer
+from treespec.common.spec.messages import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
+from treespec.common.spec.tree import PRESETS, TreeBatch, TreeEnvelope
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
 
 
 def pb_trip(msg):

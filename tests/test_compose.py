@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 import services
-from common.launch import cli_command
-from common.model_paths import resolve_model
+from treespec.common.serving.launch import cli_command
+from treespec.common.model.paths import resolve_model
 from otlp_receiver import OtlpReceiver
 from parallel_services import free_port, running
 from prom import scrape, value, wait_connected
@@ -218,8 +218,8 @@ def test_dockerfile_copies_the_package():
     for src in copied:
         assert (ROOT / src).exists(), src
     pyproject = (ROOT / "pyproject.toml").read_text()
-    include = re.search(r'include = \[([^\]]*)\]', pyproject).group(1)
-    packages = {p.strip().strip('"').rstrip("*") for p in include.split(",")}
+    packages = set(re.findall(r'^"treespec\.[\w.]+" = "(\w+)"$', pyproject, re.M))
+    assert packages, "pyproject maps no folder to treespec.<name>"
     assert packages <= copied, packages - copied
     assert 'ENTRYPOINT ["treespec"]' in text
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()

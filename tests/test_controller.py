@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from common.tree import (PAD, PRESETS, TreeBatch, TreeEnvelope, budget_depths, budget_nodes,
+from treespec.common.spec.tree import (PAD, PRESETS, TreeBatch, TreeEnvelope, budget_depths, budget_nodes,
                          cut_depth, envelope_from)
-from common.spec_types import DrafterInfo
-from verify_service.controller import Controller, Plan
+from treespec.common.spec.messages import DrafterInfo
+from treespec.verify_service.controller import Controller, Plan
 
 CHAIN4 = PRESETS["chain4"]
 ONE = TreeEnvelope(1, 1, 1)               # one budget: a test of when, not how deep
@@ -138,7 +138,7 @@ def test_tries_that_make_the_draft_catch_up_are_spaced_by_their_cost(batch, unwa
     GPU): tries after 8, 16, 32 ... plain steps cost more than the 1 % rule allows (the
     b1 random drafter rows: 0.90 x plain); spaced by their measured cost, the batch runs
     at >= 0.97 x plain. The positive control: without the floor it runs below that."""
-    import verify_service.controller as c
+    import treespec.verify_service.controller as c
     world = World([0.0] * batch, {0: 1.0, 1: 1.3, 2: 1.35, 4: 1.45}, catch_up=20.0,
                   unwaited=unwaited)
     rate, plans = world.run(Controller(), 4000)
@@ -158,7 +158,7 @@ def test_retries_that_bring_the_draft_new_prompts_are_spaced_by_their_cost(unwai
     the H200). Spaced by that cost too, the batch runs at >= 0.97 x plain; counting only
     returning sequences' catch-ups (the positive control), a retry each generation
     costs it ~10 %."""
-    import verify_service.controller as c
+    import treespec.verify_service.controller as c
     world = World([0.0] * 32, {0: 1.0, 1: 1.3, 2: 1.35, 4: 1.45}, unwaited=unwaited,
                   renew=255, prompt=27.0)
     rate, _ = world.run(Controller(), 6000)
@@ -194,7 +194,7 @@ def test_a_new_draft_is_judged_afresh():
 def test_a_batch_plain_decode_won_for_is_not_weighed_again(monkeypatch):
     """Host time: once plain wins for a batch, its next plain steps skip the weighing
     (the step's own cost at batch 1) until a retry, or until the batch changes."""
-    import verify_service.controller as c
+    import treespec.verify_service.controller as c
     ctl = Controller()
     world = World([0.0] * 8, {0: 1.0, 1: 1.3, 2: 1.35, 4: 1.45})
     _, plans = world.run(ctl, 44)             # settled: its rows' last turn came at 41
@@ -252,7 +252,7 @@ def test_modes_always_and_off():
 
 
 def test_a_sequences_counts_survive_another_ending():
-    from verify_service.controller import Counts
+    from treespec.verify_service.controller import Counts
     c = Counts(4, 0.9)
     c.slots(list(range(10)))                        # past the first 8 slots: it grows
     c.add(c.slots([9]), 4, np.array([2]))
@@ -292,7 +292,7 @@ def test_a_depth_not_reached_lately_is_expected_to_do_as_well_as_the_one_above(
     its old failures shrunk toward a flat prior. The positive control: shrunk toward the
     flat prior alone, it stays at depth 2 for good (the CPU demo stayed at depth 1 for
     115 steps accepting every draft)."""
-    import verify_service.controller as c
+    import treespec.verify_service.controller as c
     cost = {0: 1.0, 1: 1.3, 2: 1.5, 4: 1.9}
 
     def depths() -> list[int]:

@@ -1,7 +1,7 @@
 """Drafters that sample with the request's own noise (coupled drafting).
 
 A model drafter picks a sampling row's children by log-prob plus the Gumbel noise the
-target draws with at that position (common.sampling.draft_scores), so its first
+target draws with at that position (treespec.common.spec.sampling.draft_scores), so its first
 child is the target's very draw wherever the two distributions agree: a drafter that
 *is* the target has every chain node accepted at any temperature, while top-k
 drafting (--draft-sampling deterministic) misses whenever the draw is not the argmax.
@@ -14,12 +14,12 @@ import asyncio
 
 import torch
 
-from common.client import AsyncTreespecClient
-from common.sampling import TOPK_FIRST, draft_scores, draw
+from treespec.common.client import AsyncTreespecClient
+from treespec.common.spec.sampling import TOPK_FIRST, draft_scores, draw
 from inproc import services
 from test_dflash import dflash_small  # noqa: F401  (fixture)
 from test_eagle3 import head_dir  # noqa: F401  (fixture)
-from kernels.noise import gumbel_noise
+from treespec.kernels.noise import gumbel_noise
 
 PROMPT = [5, 17, 40, 2, 66, 9]
 SEEDS = range(20, 28)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.cuda_graph import ShapeMismatch, StaticGraph
-from common.kv_cache import SeqPages
-from common.qwen3 import Qwen3Model
-from kernels import reference as ops
-from common.tree import TreeBatch
-from verify_service.verifier import Verifier
+from treespec.common.runtime.cuda_graph import ShapeMismatch, StaticGraph
+from treespec.common.runtime.kv_cache import SeqPages
+from treespec.common.model.qwen3 import Qwen3Model
+from treespec.kernels import reference as ops
+from treespec.common.spec.tree import TreeBatch
+from treespec.verify_service.verifier import Verifier
 
 
 def test_mismatched_shape_or_dtype_is_refused():
@@ -83,7 +83,7 @@ def test_warm_up_and_first_captures_cover_every_batch_bucket_to_max_batch(target
     """No step of a growing batch stalls on a capture: the warm-up makes plain decode's
     graphs (greedy, top-k first, whole vocabulary) at every bucket up to max_batch's,
     and a tree's first step makes its family at all of them too."""
-    from common.sampling import TOPK_FIRST
+    from treespec.common.spec.sampling import TOPK_FIRST
     model = Qwen3Model.from_pretrained(target_dir)
     v = Verifier(model, model.new_cache(64, 4), ops, max_batch=20)
     v.warm_up()
@@ -116,7 +116,7 @@ def test_a_drafts_budgets_are_captured_when_it_connects(target_dir):
 def test_a_draft_steps_outputs_cross_as_one_tensor_and_back():
     """draft_graphs.pack / unpack: what a drafter's step returns (tokens, parents,
     positions, q ids and probabilities, any float) survives the one readback exactly."""
-    from draft_service.draft_graphs import pack, unpack
+    from treespec.draft_service.draft_graphs import pack, unpack
     g = torch.Generator().manual_seed(0)
     out = (torch.randint(0, 150_000, (3, 4), generator=g, dtype=torch.int32),
            torch.randint(-2, 4, (3, 4), generator=g),                       # int64

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import services
-from common.launch import child_env, cli_command
+from treespec.common.serving.launch import child_env, cli_command
 
 pytestmark = pytest.mark.skipif(services.servers_missing() is not None,
                                 reason=f"{services.servers_missing()}: the demo needs both services")

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from common.model_paths import resolve_model
-from common.tokenizer import Detokenizer, load_tokenizer
+from treespec.common.model.paths import resolve_model
+from treespec.common.model.tokenizer import Detokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -15,20 +15,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.train_tiny import dflash as D
-from common import cli
-from common.checkpoint import CheckpointError, load_state_dict
-from common.client import AsyncTreespecClient
-from common.forward_batch import build_forward_batch, chain_chunk
-from common.kv_cache import SeqPages
-from common.model_paths import SHIPPED_DIR
-from common.qwen3 import Qwen3Model
-from common.sampling import GREEDY, SamplingParams, as_tensors
-from common.tree import PRESETS, ROOT, envelope_from, validate_tree
-from draft_service.config import DraftConfig
-from draft_service.dflash_proposer import DFlashProposer, _greedy_tree, block_tree
+from train_tiny import dflash as D
+from treespec.common import cli
+from treespec.common.model.checkpoint import CheckpointError, load_state_dict
+from treespec.common.client import AsyncTreespecClient
+from treespec.common.runtime.forward_batch import build_forward_batch, chain_chunk
+from treespec.common.runtime.kv_cache import SeqPages
+from treespec.common.model.paths import SHIPPED_DIR
+from treespec.common.model.qwen3 import Qwen3Model
+from treespec.common.spec.sampling import GREEDY, SamplingParams, as_tensors
+from treespec.common.spec.tree import PRESETS, ROOT, envelope_from, validate_tree
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.dflash_proposer import DFlashProposer, _greedy_tree, block_tree
 from inproc import greedy_reference, services
-from kernels import reference as ops
+from treespec.kernels import reference as ops
 from tests_data import tp
 from checkpoints import make_checkpoint
 
@@ -146,7 +146,7 @@ def test_trees_choose_among_each_positions_best(dflash_dir, target4):
 def test_a_shallower_budget_takes_the_first_positions(dflash_dir, target4):
     """Asked for depth 3 of block8 (the verify's budget), the block drafts the same
     first three positions and nothing deeper; the whole block again afterwards."""
-    from common.tree import PAD
+    from treespec.common.spec.tree import PAD
     prop = _proposer(dflash_dir, target4, "block8")
     toks = torch.randint(0, 95, (9,), generator=torch.Generator().manual_seed(4)).tolist()
     f = _features(target4, toks)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.tree import PRESETS, validate_tree
-from draft_service.config import DraftConfig
-from draft_service.dflash_proposer import DFlashProposer
-from kernels.dispatch import triton_available
+from treespec.common.spec.tree import PRESETS, validate_tree
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.dflash_proposer import DFlashProposer
+from treespec.kernels.availability import triton_available
 from test_dflash import _features, dflash_dir, target4  # noqa: F401  (the module's fixtures)
 from tests_data import tp
 

@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.errors import InvalidRequest
-from common.spec_types import SeqUpdate, SpecRequest
-from common.tree import PAD, TreeBatch, envelope_from, validate_tree
-from draft_service import engine as draft_engine
-from draft_service.config import DraftConfig
+from treespec.common.serving.errors import InvalidRequest
+from treespec.common.spec.messages import SeqUpdate, SpecRequest
+from treespec.common.spec.tree import PAD, TreeBatch, envelope_from, validate_tree
+from treespec.draft_service import engine as draft_engine
+from treespec.draft_service.config import DraftConfig
 
 ENV = envelope_from("tree-small")
 N = ENV.num_nodes

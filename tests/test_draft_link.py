@@ -12,16 +12,16 @@ import time
 import grpc
 import torch
 
-from common import codec
-from common.grpc_server import start_server
-from common.spec_types import DrafterInfo
-from common.tree import PRESETS, TreeBatch
-from common.wire import drafter_info_to_pb
-from protos.treespec.v1 import treespec_pb2 as pb
-from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
-from verify_service.draft_link import DraftLink
-from verify_service.request import GenRequest
-from verify_service.sequence import Sequence
+from treespec.common.wire import codec
+from treespec.common.serving.grpc_server import start_server
+from treespec.common.spec.messages import DrafterInfo
+from treespec.common.spec.tree import PRESETS, TreeBatch
+from treespec.common.wire.convert import drafter_info_to_pb
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
+from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from treespec.verify_service.draft_link import DraftLink
+from treespec.verify_service.request import GenRequest
+from treespec.verify_service.sequence import Sequence
 
 ENV = PRESETS["chain4"]
 

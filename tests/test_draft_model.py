@@ -9,14 +9,14 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
-from common.tree import (PAD, TreeEnvelope, budget_nodes, envelope_from, node_depths,
+from treespec.common.spec.tree import (PAD, TreeEnvelope, budget_nodes, envelope_from, node_depths,
                          validate_tree)
-from draft_service.config import DraftConfig
-from draft_service.model_proposer import ModelProposer
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.model_proposer import ModelProposer
 
-from draft_service.tree_build import Expansion
-from kernels import reference
-from kernels.dispatch import KERNEL_NAMES
+from treespec.draft_service.tree_build import Expansion
+from treespec.kernels import reference
+from treespec.kernels.dispatch import KERNEL_NAMES
 from tests_data import tp
 
 VOCAB = 96
@@ -245,7 +245,7 @@ def test_warmup_leaves_no_state_and_proposals_unchanged(draft_dir):
 
 def test_long_catch_ups_run_in_bounded_parts_and_draft_the_same(draft_dir, monkeypatch):
     """A prompt's catch-up cut into forwards of 5 units drafts what one forward does."""
-    from draft_service import kv_drafter
+    from treespec.draft_service import kv_drafter
     long = [(7 * i) % 90 + 1 for i in range(40)]
 
     def trees():

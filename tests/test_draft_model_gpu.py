@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.tree import envelope_from, validate_tree
-from draft_service.config import DraftConfig
-from draft_service.model_proposer import ModelProposer
-from kernels.dispatch import triton_available
+from treespec.common.spec.tree import envelope_from, validate_tree
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.model_proposer import ModelProposer
+from treespec.kernels.availability import triton_available
 from tests_data import tp
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available()

@@ -15,13 +15,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from common import wire
-from common.spec_types import SeqUpdate, SpecRequest
-from common.tree import PAD, envelope_from, validate_tree
-from draft_service.config import DraftConfig
-from draft_service.server import SERVICE_NAME, start
-from protos.treespec.v1 import treespec_pb2 as pb
-from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from treespec.common.wire import convert as wire
+from treespec.common.spec.messages import SeqUpdate, SpecRequest
+from treespec.common.spec.tree import PAD, envelope_from, validate_tree
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.server import SERVICE_NAME, start
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
+from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = envelope_from("tree-small")
@@ -150,9 +150,9 @@ def test_model_method_over_grpc(draft_dir):
 
 
 RUN_SCRIPT = textwrap.dedent("""
-    from common.tree import envelope_from
-    from draft_service.config import DraftConfig
-    from draft_service.server import run
+    from treespec.common.spec.tree import envelope_from
+    from treespec.draft_service.config import DraftConfig
+    from treespec.draft_service.server import run
     run(DraftConfig(method="ngram", envelope=envelope_from("chain4"), port=0))
 """)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from common.row_buffer import RowBuffer
-from verify_service.draft_sync import DraftSync
-from verify_service.request import GenRequest
-from verify_service.sequence import Sequence
+from treespec.common.runtime.row_buffer import RowBuffer
+from treespec.verify_service.draft_sync import DraftSync
+from treespec.verify_service.request import GenRequest
+from treespec.verify_service.sequence import Sequence
 
 C = 4                           # hidden width: 16 bytes a float32 row
 

@@ -4,13 +4,13 @@ issue 15's fallbacks on the H200: a first step at a new batch or page bucket too
 
 from __future__ import annotations
 
-from common.graph_buckets import BATCH_BUCKETS, BucketedGraphs
-from common.kv_cache import SeqPages
-from common.sampling import TOPK_FIRST
-from common.tree import envelope_from
-from draft_service.config import DraftConfig
-from draft_service.model_proposer import ModelProposer
-from kernels.triton_tree_attention import _plan
+from treespec.common.runtime.graph_buckets import BATCH_BUCKETS, BucketedGraphs
+from treespec.common.runtime.kv_cache import SeqPages
+from treespec.common.spec.sampling import TOPK_FIRST
+from treespec.common.spec.tree import envelope_from
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.model_proposer import ModelProposer
+from treespec.kernels.triton_tree_attention import _plan
 
 
 def test_a_decoding_batch_keeps_one_page_bucket(draft_dir):
@@ -47,7 +47,7 @@ def test_long_chunks_plan_one_split(monkeypatch):
     draft compiled a kernel for a 129-unit catch-up while serving): long chunks always
     take one split, so their compile-time constants do not follow the length."""
     import torch
-    from kernels import triton_tree_attention
+    from treespec.kernels import triton_tree_attention
     monkeypatch.setattr(triton_tree_attention, "_num_sms", lambda device: 132)   # an H200
     for q in (100, 129, 300, 1024, 5000):
         for ctx in (200, 1100, 4096):

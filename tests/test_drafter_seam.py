@@ -10,13 +10,13 @@ import asyncio
 import pytest
 import torch
 
-from common.qwen3 import Qwen3Model
-from common.spec_types import DrafterInfo
-from common.tree import PAD, PRESETS, TreeBatch
+from treespec.common.model.qwen3 import Qwen3Model
+from treespec.common.spec.messages import DrafterInfo
+from treespec.common.spec.tree import PAD, PRESETS, TreeBatch
 from inproc import greedy_reference
-from verify_service.drafter import Drafted
-from verify_service.engine import VerifyEngine
-from verify_service.request import GenRequest
+from treespec.verify_service.drafter import Drafted
+from treespec.verify_service.engine import VerifyEngine
+from treespec.verify_service.request import GenRequest
 
 ENV = PRESETS["chain4"]
 PROMPTS = [[1, 5, 9, 13, 2, 7, 1, 5], [3, 4, 5, 6], [10, 20, 30, 40, 50, 60, 70]]

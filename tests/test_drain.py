@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from common.client import AsyncTreespecClient, TreespecError
+from treespec.common.client import AsyncTreespecClient, TreespecError
 from inproc import services
 
 

@@ -17,16 +17,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from bench.train_tiny import eagle3 as E
-from common import cli
-from common.client import AsyncTreespecClient
-from common.errors import InvalidRequest
-from common.model_paths import SHIPPED_DIR
-from common.spec_types import SeqUpdate, SpecRequest
-from common.tree import PAD, PRESETS, ROOT, TreeEnvelope, validate_tree
-from draft_service.config import DraftConfig
-from draft_service.eagle3_proposer import Eagle3Proposer
-from draft_service.engine import DraftEngine
+from train_tiny import eagle3 as E
+from treespec.common import cli
+from treespec.common.client import AsyncTreespecClient
+from treespec.common.serving.errors import InvalidRequest
+from treespec.common.model.paths import SHIPPED_DIR
+from treespec.common.spec.messages import SeqUpdate, SpecRequest
+from treespec.common.spec.tree import PAD, PRESETS, ROOT, TreeEnvelope, validate_tree
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.eagle3_proposer import Eagle3Proposer
+from treespec.draft_service.engine import DraftEngine
 from inproc import greedy_reference, services
 from tests_data import tp
 
@@ -150,7 +150,7 @@ def test_chain_equals_the_reference_chain_across_updates(head_dir):
 def test_many_steps_after_a_catch_up(head_dir):
     """A catch-up lands (and grows) a sequence's rows in the step's inference mode; the
     next FLUSH_AT one-token updates land outside it (the H100's b32 shadow rows, s24)."""
-    from common.row_buffer import FLUSH_AT
+    from treespec.common.runtime.row_buffer import FLUSH_AT
     env, ref = PRESETS["chain4"], E.load_head(head_dir)
     prop = _proposer(head_dir, env, num_blocks=128)
     n = 92 + FLUSH_AT + 4
@@ -297,10 +297,10 @@ def _check_rows(target_dir, seen, projection) -> None:
     """Each new token s_j came with f_{j-1}, the aux layers' states at s_{j-1} (our Qwen3
     on the whole committed list; s_0 gets zeros), through the head's projection (the
     verify fetched it when the draft connected)."""
-    from common.forward_batch import build_forward_batch, chain_chunk
-    from common.kv_cache import SeqPages
-    from common.qwen3 import Qwen3Model
-    from kernels import reference as ops
+    from treespec.common.runtime.forward_batch import build_forward_batch, chain_chunk
+    from treespec.common.runtime.kv_cache import SeqPages
+    from treespec.common.model.qwen3 import Qwen3Model
+    from treespec.kernels import reference as ops
     model = Qwen3Model.from_pretrained(target_dir)
     for tokens, new, hidden in seen:
         assert hidden is not None and hidden.shape == (new, HIDDEN)

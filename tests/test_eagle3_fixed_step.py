@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from common.tree import PRESETS, ROOT
+from treespec.common.spec.tree import PRESETS, ROOT
 from test_eagle3 import C, _inputs, _proposer, head_dir  # noqa: F401  (head_dir: fixture)
 from tests_data import tp
 
@@ -71,7 +71,7 @@ def test_late_drafter_keeps_hidden_rows_aligned(target_dir, head_dir, slow_call)
     import asyncio
     import time
 
-    from common.client import AsyncTreespecClient
+    from treespec.common.client import AsyncTreespecClient
     from inproc import greedy_reference, services
     from test_eagle3 import MAX_TOKENS, PROMPTS
 
@@ -102,7 +102,7 @@ def test_a_shallower_budget_expands_fewer_levels(head_dir):
     """Asked for depth 2 of tree-small (the verify's budget), the head expands one
     level after the catch-up: exactly the nodes a depth-2 tree of the envelope holds,
     none deeper; the whole envelope again afterwards."""
-    from common.tree import PAD, budget_nodes, node_depths
+    from treespec.common.spec.tree import PAD, budget_nodes, node_depths
     env = PRESETS["tree-small"]
     p = _proposer(head_dir, env)
     tokens, rows = _inputs(4, 9)

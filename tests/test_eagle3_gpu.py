@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.sampling import SamplingParams
-from common.tree import PRESETS, validate_tree
-from draft_service.config import DraftConfig
-from draft_service.eagle3_proposer import Eagle3Proposer
-from draft_service.proposer import RowSampling
-from kernels.dispatch import triton_available
+from treespec.common.spec.sampling import SamplingParams
+from treespec.common.spec.tree import PRESETS, validate_tree
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.eagle3_proposer import Eagle3Proposer
+from treespec.draft_service.proposer import RowSampling
+from treespec.kernels.availability import triton_available
 from test_eagle3 import _inputs, head_dir  # noqa: F401  (head_dir: the module's fixture)
 from tests_data import tp
 

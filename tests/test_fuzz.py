@@ -13,14 +13,14 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common import codec, frames, wire
-from common.errors import InvalidRequest
-from common.tree import envelope_from
-from draft_service.config import DraftConfig
-from draft_service.engine import DraftEngine
-from protos.treespec.v1 import treespec_pb2 as pb
-from verify_service.request import check_request
-from verify_service.servicer import check_fields, request_from_pb
+from treespec.common.wire import codec, frames, convert as wire
+from treespec.common.serving.errors import InvalidRequest
+from treespec.common.spec.tree import envelope_from
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.engine import DraftEngine
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
+from treespec.verify_service.request import check_request
+from treespec.verify_service.servicer import check_fields, request_from_pb
 
 FUZZ = settings(max_examples=300, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])

@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from common.tree import envelope_from, validate_tree
-from draft_service.config import DraftConfig
-from draft_service.model_proposer import ModelProposer
+from treespec.common.spec.tree import envelope_from, validate_tree
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.model_proposer import ModelProposer
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 7, 30, 31], [3, 4, 5], [60]]   # 3 rows -> bucket of 4
 

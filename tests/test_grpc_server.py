@@ -1,4 +1,4 @@
-"""common/grpc_server.py: error mapping, health, reflection, and a real process's stop."""
+"""common/serving/grpc_server.py: error mapping, health, reflection, and a real process's stop."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from common import codec
-from common.errors import InvalidRequest, Unavailable
-from common.grpc_server import start_server
-from protos.treespec.v1 import treespec_pb2 as pb
-from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from treespec.common.wire import codec
+from treespec.common.serving.errors import InvalidRequest, Unavailable
+from treespec.common.serving.grpc_server import start_server
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
+from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 DRAFTER = "treespec.v1.Drafter"
@@ -154,7 +154,7 @@ def test_reflection_is_off_where_asked_and_by_default_off_loopback():
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
     asyncio.run(_with_server(body, reflect=False))
-    from common.service_config import ServiceConfig
+    from treespec.common.serving.config import ServiceConfig
     assert ServiceConfig(host="127.0.0.1").reflect and ServiceConfig(host="::1").reflect
     assert not ServiceConfig(host="0.0.0.0").reflect
     assert not ServiceConfig(host="10.1.2.3").reflect
@@ -164,8 +164,8 @@ def test_reflection_is_off_where_asked_and_by_default_off_loopback():
 
 SERVE_SCRIPT = textwrap.dedent("""
     import asyncio, sys
-    from common.grpc_server import run_server, start_server
-    from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+    from treespec.common.serving.grpc_server import run_server, start_server
+    from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
     async def start():
         return await start_server("127.0.0.1", 0,

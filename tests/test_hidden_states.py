@@ -10,14 +10,14 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
-from common import codec
-from common.client import AsyncTreespecClient
-from common.grpc_server import start_server
-from common.spec_types import DrafterInfo
-from common.tree import PRESETS, TreeBatch
-from common.wire import drafter_info_to_pb
-from protos.treespec.v1 import treespec_pb2 as pb
-from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from treespec.common.wire import codec
+from treespec.common.client import AsyncTreespecClient
+from treespec.common.serving.grpc_server import start_server
+from treespec.common.spec.messages import DrafterInfo
+from treespec.common.spec.tree import PRESETS, TreeBatch
+from treespec.common.wire.convert import drafter_info_to_pb
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
+from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
 LAYERS = (0, 1)
 ENV = PRESETS["chain4"]
@@ -60,8 +60,8 @@ async def serving(target_dir, drafter, connect: bool = True, **cfg):
     """drafter served by a gRPC server, a verify service (in process) on it; yields the
     verify's port and engine (once connected to the draft, if connect); everything
     stopped after."""
-    from verify_service import server as verify_server
-    from verify_service.config import VerifyConfig
+    from treespec.verify_service import server as verify_server
+    from treespec.verify_service.config import VerifyConfig
     server, port = await start_server(
         "127.0.0.1", 0, lambda s: pb_grpc.add_DrafterServicer_to_server(drafter, s),
         ["treespec.v1.Drafter"])
@@ -158,7 +158,7 @@ def test_a_request_that_never_speculates_keeps_no_hidden_states(target_dir):
 
 
 def test_hidden_buffer_appends_in_amortized_place():
-    from common.row_buffer import RowBuffer
+    from treespec.common.runtime.row_buffer import RowBuffer
     first = torch.arange(6.0).view(3, 2)
     buf = RowBuffer(first)
     grown = []
@@ -176,7 +176,7 @@ def test_hidden_rows_wait_as_views_until_read():
     """A step appends to every sequence; nobody reads while the controller runs plain,
     so appends must not copy (the b32 plain steps of EAGLE-3 and DFlash paid ~0.8 ms
     for a copy per row), and must land exactly once read or FLUSH_AT of them wait."""
-    from common import row_buffer
+    from treespec.common.runtime import row_buffer
     buf = row_buffer.RowBuffer(torch.zeros(2, 3))
     parts = [torch.full((1 + i % 2, 3), float(i)) for i in range(row_buffer.FLUSH_AT - 1)]
     for p in parts:
@@ -193,7 +193,7 @@ def test_hidden_rows_wait_as_views_until_read():
 def test_a_step_reads_its_new_rows_without_landing_them():
     """A drafter's step reads the units its update brought (the last append): they are
     read as they are, with no copy a sequence; any other span lands and is exact."""
-    from common.row_buffer import RowBuffer
+    from treespec.common.runtime.row_buffer import RowBuffer
     buf, want = RowBuffer(torch.zeros(2, 3)), torch.zeros(2, 3)
     for step in range(6):
         new = torch.full((1 + step % 3, 3), float(step))
@@ -241,7 +241,7 @@ def test_rows_land_outside_inference_mode_after_a_read_inside_it():
     mode, but appends arrive in update(), outside it: the FLUSH_AT-th append then
     wrote into an inference tensor and failed the request (H100, EAGLE-3 and DFlash
     shadow at b32: 'Inplace update to inference tensor outside InferenceMode')."""
-    from common.row_buffer import FLUSH_AT, RowBuffer
+    from treespec.common.runtime.row_buffer import FLUSH_AT, RowBuffer
     buf, want = RowBuffer(torch.zeros(64, 3)), [torch.zeros(64, 3)]   # a prompt's rows
     with torch.inference_mode():
         buf.append(torch.ones(1, 3))

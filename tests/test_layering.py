@@ -10,30 +10,34 @@ from pathlib import Path
 
 import pytest
 
-from common.launch import child_env
+from treespec.common.serving.launch import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("common", "draft_service", "verify_service")
 
 
-@pytest.mark.parametrize("engine", ["verify_service.engine", "draft_service.engine"])
+@pytest.mark.parametrize("engine", ["treespec.verify_service.engine", "treespec.draft_service.engine"])
 def test_an_engine_loads_without_grpc_or_the_stubs(engine):
     code = (f"import sys, {engine}; bad = sorted(m for m in sys.modules if m.split('.')[0] "
-            "in ('grpc', 'grpc_health', 'grpc_reflection', 'protos')); print(bad); "
-            "sys.exit(1 if bad else 0)")
+            "in ('grpc', 'grpc_health', 'grpc_reflection') or m.startswith('treespec.protos'))"
+            "; print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=child_env(), timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def imported_packages(path: Path) -> set[str]:
-    """The top-level packages a module's import statements name (absolute imports)."""
+    """The treespec packages a module's import statements name (absolute imports):
+    "common" for treespec.common.x, and so on."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
+            names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
+            names = [node.module]
+        else:
+            continue
+        found |= {n.split(".")[1] for n in names if n.startswith("treespec.")}
     return found
 
 
@@ -45,3 +49,10 @@ def test_common_imports_no_service_and_the_services_not_each_other(package):
     bad = {str(p.relative_to(ROOT)): sorted(imported_packages(p) & forbidden)
            for p in (ROOT / package).rglob("*.py")}
     assert not {k: v for k, v in bad.items() if v}
+
+
+def test_every_draft_method_has_a_proposer():
+    from treespec.draft_service.config import METHODS
+    from treespec.draft_service.registry import PROPOSERS
+
+    assert list(PROPOSERS) == list(METHODS)

@@ -1,4 +1,4 @@
-"""The Speculate stream on the draft's local Unix socket (common/frames.py).
+"""The Speculate stream on the draft's local Unix socket (common/wire/frames.py).
 
 Real services, real sockets: the verify service takes the socket when the draft
 advertises one it can reach, and gRPC otherwise; output is the same greedy output
@@ -15,14 +15,14 @@ import struct
 import grpc
 import pytest
 
-from common import frames, wire
-from common.client import AsyncTreespecClient
-from common.spec_types import SeqUpdate
-from draft_service.config import DraftConfig
-from draft_service.server import start
+from treespec.common.wire import frames, convert as wire
+from treespec.common.client import AsyncTreespecClient
+from treespec.common.spec.messages import SeqUpdate
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.server import start
 from inproc import greedy_reference, services
-from protos.treespec.v1 import treespec_pb2 as pb
-from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
+from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 from test_draft_servicer import ENV, full, req
 
 PROMPT = [1, 5, 9, 13, 2, 7, 1, 5, 9, 13, 2]

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from common.client import AsyncTreespecClient
+from treespec.common.client import AsyncTreespecClient
 from inproc import greedy_reference, services
 
 PROMPTS = [

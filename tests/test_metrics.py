@@ -8,12 +8,12 @@ import re
 import pytest
 
 import services
-from common.launch import cli_command
+from treespec.common.serving.launch import cli_command
 from parallel_services import free_port, running
 from prom import scrape, total, value, wait_connected
-from common.tree import envelope_from
-from verify_service.metrics import VerifyMetrics
-from verify_service.observer import StepRecord, hop_parts
+from treespec.common.spec.tree import envelope_from
+from treespec.verify_service.metrics import VerifyMetrics
+from treespec.verify_service.observer import StepRecord, hop_parts
 
 METRICS_LINE = re.compile(r"metrics on (http://\S+/metrics)")
 PROMPTS = [[5, 17, 23, 42, 8, 17, 23, 42, 8, 17, 23], [3, 4, 5, 6, 7]]

@@ -7,10 +7,10 @@ import time
 
 import torch
 
-from common.tree import PAD, TreeEnvelope, validate_tree
-from draft_service.config import DraftConfig
-from draft_service.ngram import NgramProposer, merge_paths
-from draft_service.ngram_index import NgramIndex
+from treespec.common.spec.tree import PAD, TreeEnvelope, validate_tree
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.ngram import NgramProposer, merge_paths
+from treespec.draft_service.ngram_index import NgramIndex
 from tests_data import tp
 
 P = PAD

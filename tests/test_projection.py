@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.spec_types import SeqUpdate, SpecRequest
-from common.tree import PRESETS
-from draft_service.config import DraftConfig
-from draft_service.engine import DraftEngine
+from treespec.common.spec.messages import SeqUpdate, SpecRequest
+from treespec.common.spec.tree import PRESETS
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.engine import DraftEngine
 from test_dflash import _features as features, _proposer as dflash_proposer
 from test_dflash import dflash_dir, target4  # noqa: F401  (fixtures)
 from test_eagle3 import HIDDEN, _inputs, head_dir  # noqa: F401  (head_dir: a fixture)

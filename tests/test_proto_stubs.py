@@ -44,22 +44,34 @@ def test_installed_grpcio_tools_is_the_pinned_one():
         "run pip install -e '.[test]'")
 
 
-def test_committed_stubs_match_a_fresh_generation(tmp_path):
+def generate(out: Path) -> Path:
+    """Run the pinned protoc on the .proto as the installed package sees it, so the stubs
+    import each other as ``treespec.protos.treespec.v1``; returns the folder of the stubs.
+
+    The repository keeps protos/ at its top level and installs it as treespec.protos, so
+    protoc reads it through a ``treespec/protos`` link in a scratch include root."""
+    root = out / "include"
+    (root / "treespec").mkdir(parents=True)
+    (root / "treespec" / "protos").symlink_to(ROOT / "protos")
     proc = subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I", ".", f"--python_out={tmp_path}",
-         f"--grpc_python_out={tmp_path}", f"--pyi_out={tmp_path}", PROTO],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [sys.executable, "-m", "grpc_tools.protoc", "-I", str(root), f"--python_out={out}",
+         f"--grpc_python_out={out}", f"--pyi_out={out}", str(root / "treespec" / PROTO)],
+        capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+    return out / "treespec" / "protos/treespec/v1"
+
+
+def test_committed_stubs_match_a_fresh_generation(tmp_path):
+    fresh_dir = generate(tmp_path)
     drift = []
     for name in STUBS:
         committed = (ROOT / "protos/treespec/v1" / name).read_text().splitlines(keepends=True)
-        fresh = (tmp_path / "protos/treespec/v1" / name).read_text().splitlines(keepends=True)
+        fresh = (fresh_dir / name).read_text().splitlines(keepends=True)
         if committed != fresh:
             drift.append("".join(difflib.unified_diff(committed, fresh, f"committed/{name}",
                                                       f"regenerated/{name}", n=1))[:3000])
     assert not drift, ("stubs drifted from the .proto; regenerate them from the repo root with\n"
-                       f"  python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. "
-                       f"--pyi_out=. {PROTO}\n\n" + "\n".join(drift))
+                       "  python tests/test_proto_stubs.py\n\n" + "\n".join(drift))
 
 
 def test_stubs_accept_the_target_runtime():
@@ -75,11 +87,21 @@ def test_stubs_accept_the_target_runtime():
 
 
 def test_stubs_import_and_declare_both_services():
-    from protos.treespec.v1 import treespec_pb2 as pb
-    from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+    from treespec.protos.treespec.v1 import treespec_pb2 as pb
+    from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
     services = pb.DESCRIPTOR.services_by_name
     assert set(services) == {"Generation", "Drafter"}
     assert [m.name for m in services["Drafter"].methods] == ["GetInfo", "Speculate",
                                                         "GetProjection"]
     assert hasattr(pb_grpc, "GenerationStub") and hasattr(pb_grpc, "add_DrafterServicer_to_server")
+
+
+if __name__ == "__main__":   # regenerate the committed stubs
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh_dir = generate(Path(tmp))
+        for name in STUBS:
+            shutil.copy(fresh_dir / name, ROOT / "protos/treespec/v1" / name)

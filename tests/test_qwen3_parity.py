@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 from transformers import Qwen3ForCausalLM
 
-from common.forward_batch import Chunk, build_forward_batch, chain_chunk
-from common.kv_cache import SeqPages
-from common.qwen3 import Qwen3Model
-from common.tree import node_depths
-from kernels import reference as ops
+from treespec.common.runtime.forward_batch import Chunk, build_forward_batch, chain_chunk
+from treespec.common.runtime.kv_cache import SeqPages
+from treespec.common.model.qwen3 import Qwen3Model
+from treespec.common.spec.tree import node_depths
+from treespec.kernels import reference as ops
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

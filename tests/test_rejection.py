@@ -1,4 +1,4 @@
-"""Rejection-sampling acceptance (kernels.reference.rejection_walk) on hand-built trees.
+"""Rejection-sampling acceptance (treespec.kernels.reference.rejection_walk) on hand-built trees.
 
 Each batch row is one trial with its own seed: its drafts are drawn from q (siblings
 without replacement) by a generator of the test's, so over many rows the emitted
@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from kernels import reference
-from common.tree import PAD
+from treespec.kernels import reference
+from treespec.common.spec.tree import PAD
 
 ROWS = 40_000
 
@@ -124,8 +124,8 @@ def test_a_node_outside_its_q_is_never_accepted_and_padding_is_ignored():
 
 def test_a_sampling_rows_tree_shape_does_not_depend_on_what_it_drew():
     """Rejection sampling is exact only if the kept siblings are not chosen by their
-    own tokens: draft_service.tree_build scores a static row's children by rank."""
-    from draft_service.tree_build import Expansion
+    own tokens: treespec.draft_service.tree_build scores a static row's children by rank."""
+    from treespec.draft_service.tree_build import Expansion
     k, depth, v = 2, 4, 50
     shapes = []
     for seed in range(4):

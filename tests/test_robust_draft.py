@@ -8,16 +8,16 @@ import itertools
 
 import torch
 
-from common import codec
-from common.client import AsyncTreespecClient
-from common.grpc_server import start_server
-from common.launch import ServiceProcess, cli_command
-from common.tree import PRESETS
-from common.wire import drafter_info_to_pb
-from common.spec_types import DrafterInfo
+from treespec.common.wire import codec
+from treespec.common.client import AsyncTreespecClient
+from treespec.common.serving.grpc_server import start_server
+from treespec.common.serving.launch import ServiceProcess, cli_command
+from treespec.common.spec.tree import PRESETS
+from treespec.common.wire.convert import drafter_info_to_pb
+from treespec.common.spec.messages import DrafterInfo
 from inproc import greedy_reference
-from protos.treespec.v1 import treespec_pb2 as pb
-from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
+from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
 PROMPT = [1, 5, 9, 13, 2, 7, 1, 5, 9, 13]
 ENV = PRESETS["tree-small"]
@@ -69,8 +69,8 @@ async def _against(target_dir, drafter, deadline_ms: float, prompts: list[list[i
         "127.0.0.1", 0, lambda s: pb_grpc.add_DrafterServicer_to_server(drafter, s),
         ["treespec.v1.Drafter"])
     try:
-        from verify_service import server as verify_server
-        from verify_service.config import VerifyConfig
+        from treespec.verify_service import server as verify_server
+        from treespec.verify_service.config import VerifyConfig
         vs, vport, engine = await verify_server.start(VerifyConfig(
             model=str(target_dir), draft=f"127.0.0.1:{port}", device="cpu",
             step_deadline_ms=deadline_ms, block_size=4, num_blocks=256))
@@ -134,8 +134,8 @@ def test_draft_killed_mid_generation(target_dir, draft_dir):
         addr = draft.wait_listening(120)
 
         async def go():
-            from verify_service import server as verify_server
-            from verify_service.config import VerifyConfig
+            from treespec.verify_service import server as verify_server
+            from treespec.verify_service.config import VerifyConfig
             vs, vport, engine = await verify_server.start(VerifyConfig(
                 model=str(target_dir), draft=addr, device="cpu", block_size=4,
                 num_blocks=512, reconnect_s=0.2))

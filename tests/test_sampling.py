@@ -10,12 +10,12 @@ import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from common.errors import InvalidRequest
-from common.sampling import (GREEDY, TOPK_FIRST, SamplingParams, checkpoint_defaults, draw,
+from treespec.common.serving.errors import InvalidRequest
+from treespec.common.spec.sampling import (GREEDY, TOPK_FIRST, SamplingParams, checkpoint_defaults, draw,
                              filter_sparse, filter_width, resolve)
-from common.vocab_top import scaled_top, top_k
-from kernels import reference
-from kernels.noise import gumbel_noise
+from treespec.common.spec.vocab_top import scaled_top, top_k
+from treespec.kernels import reference
+from treespec.kernels.noise import gumbel_noise
 
 
 def filter_logits(logits, temperature, top_k, top_p, min_p, width=-1) -> torch.Tensor:

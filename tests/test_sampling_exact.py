@@ -21,11 +21,11 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from common.client import AsyncTreespecClient
-from common.model_paths import resolve_model
-from draft_service import dflash_proposer
+from treespec.common.client import AsyncTreespecClient
+from treespec.common.model.paths import resolve_model
+from treespec.draft_service import dflash_proposer
 from inproc import services
-from kernels import reference
+from treespec.kernels import reference
 from test_dflash import dflash_small  # noqa: F401  (fixture)
 from test_eagle3 import head_dir  # noqa: F401  (fixture)
 

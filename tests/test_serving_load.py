@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import services
-from common.client import AsyncTreespecClient
+from treespec.common.client import AsyncTreespecClient
 from prom import scrape
 
 PROMPTS = [torch.randint(1, 6144, (1024,), generator=torch.Generator().manual_seed(i)).tolist()

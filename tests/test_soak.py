@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from common.client import AsyncTreespecClient
-from common.launch import ServiceProcess, cli_command
+from treespec.common.client import AsyncTreespecClient
+from treespec.common.serving.launch import ServiceProcess, cli_command
 from parallel_services import free_port
 from prom import scrape, value
 
@@ -49,8 +49,8 @@ def test_soak_with_a_draft_that_keeps_dying(target_dir, draft_dir):
     rng = random.Random(0)
 
     async def go():
-        from verify_service import server as verify_server
-        from verify_service.config import VerifyConfig
+        from treespec.verify_service import server as verify_server
+        from treespec.verify_service.config import VerifyConfig
         vs, vport, engine = await verify_server.start(VerifyConfig(
             model=str(target_dir), draft=f"127.0.0.1:{port}", device="cpu", block_size=4,
             num_blocks=4096, max_batch=64, reconnect_s=0.2, step_deadline_ms=2000))

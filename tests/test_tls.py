@@ -21,12 +21,12 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 import services
-from common import frames
-from common.tls import ClientTLS
-from draft_service import server as draft_server
-from draft_service.config import DraftConfig
-from common.tree import envelope_from
-from protos.treespec.v1 import treespec_pb2 as pb
+from treespec.common.wire import frames
+from treespec.common.serving.tls import ClientTLS
+from treespec.draft_service import server as draft_server
+from treespec.draft_service.config import DraftConfig
+from treespec.common.spec.tree import envelope_from
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
 
 PROMPT = [5, 17, 23, 42, 8, 17, 23, 42, 8, 17, 23]      # repeats: n-gram drafts at once
 

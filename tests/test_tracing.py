@@ -13,15 +13,15 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from common import telemetry
-from common.client import AsyncTreespecClient, build_request
-from common.tree import envelope_from
-from draft_service import server as draft_server
-from draft_service.config import DraftConfig
-from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
-from verify_service import server as verify_server
-from verify_service.config import VerifyConfig
-from verify_service.observer import NullObserver
+from treespec.common.serving import telemetry
+from treespec.common.client import AsyncTreespecClient, build_request
+from treespec.common.spec.tree import envelope_from
+from treespec.draft_service import server as draft_server
+from treespec.draft_service.config import DraftConfig
+from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from treespec.verify_service import server as verify_server
+from treespec.verify_service.config import VerifyConfig
+from treespec.verify_service.observer import NullObserver
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 1, 5, 9, 13], [3, 4, 5, 6], [10, 20, 30, 40, 10, 20]]
 MAX_TOKENS = 12

@@ -16,11 +16,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
-from bench.train_tiny import corpus as C
-from bench.train_tiny import eagle3 as E
-from bench.train_tiny.distill import TargetTap
-from bench.train_tiny.evaluate import accepted_lengths, draft_proposer, simulate
-from common.model_config import Qwen3Spec
+from train_tiny import corpus as C
+from train_tiny import eagle3 as E
+from train_tiny.distill import TargetTap
+from train_tiny.evaluate import accepted_lengths, draft_proposer, simulate
+from treespec.common.model.config import Qwen3Spec
 
 ROOT = Path(__file__).resolve().parents[1]
 DIRS = ("tiny-code", "tiny-code-draft", "tiny-code-eagle3")
@@ -188,7 +188,7 @@ def test_simulated_acceptance_worked_example_and_self_draft(trained):
 
     target = Qwen3ForCausalLM.from_pretrained(trained / "tiny-code", dtype=torch.float32).eval()
     prompts = torch.randint(1, 500, (2, 8))
-    from bench.train_tiny.lm import greedy_continue
+    from train_tiny.lm import greedy_continue
     cont = greedy_continue(target, prompts, 10 + 4, use_cache=False)
     acc = accepted_lengths(cont, 8, 10, draft_proposer(target, 4), 4)
     assert bool((acc == 4).all())  # the target drafting for itself is always accepted
@@ -199,7 +199,7 @@ def test_simulated_acceptance_worked_example_and_self_draft(trained):
 def test_dflash_trains_against_an_existing_target_and_serves(trained, tmp_path):
     """--only dflash: a drafter for the target in --base, in z-lab's layout, that the
     draft service loads with that target's embedding and LM head."""
-    from draft_service.dflash_head import DFlashHead
+    from treespec.draft_service.dflash_head import DFlashHead
     cmd = [sys.executable, str(ROOT / "bench" / "train_tiny.py"), "--out", str(tmp_path),
            "--device", "cpu", "--tiny", "--max-files", "20", "--steps", "8",
            "--minutes-budget", "0.5", "--gen-seqs", "4", "--eval-prompts", "2",
@@ -237,9 +237,9 @@ def test_a_sigterm_ends_a_stage_after_its_step_so_the_run_still_saves():
     """`timeout` sends SIGTERM: the stage returns what it trained instead of dying."""
     import os
     import signal
-    from bench.train_tiny.settings import StageSettings
-    from bench.train_tiny import train_loop
-    from bench.train_tiny.train_loop import run_stage
+    from train_tiny.settings import StageSettings
+    from train_tiny import train_loop
+    from train_tiny.train_loop import run_stage
     w = torch.nn.Parameter(torch.zeros(2, 2))
 
     def reached_test(*_):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.tree import PAD, PRESETS, TreeEnvelope, envelope_from, node_depths, validate_tree, \
+from treespec.common.spec.tree import PAD, PRESETS, TreeEnvelope, envelope_from, node_depths, validate_tree, \
     verify_chunk_layout
-from kernels.reference import chunk_mask
+from treespec.kernels.reference import chunk_mask
 
 
 def test_presets_are_valid_and_chain_is_topk1():
@@ -95,7 +95,7 @@ def reference_verdict(parents: list[list[int]], tokens: list[list[int]], vocab: 
 def test_tree_check_agrees_with_a_node_by_node_check(batch):
     """validate_tree (numpy, one test on the good path) returns the verdict and
     message a node-by-node check does, on every tree, good or broken."""
-    import common.tree as tree
+    import treespec.common.spec.tree as tree
     g = torch.Generator().manual_seed(batch)
     n, vocab = 8, 50
 

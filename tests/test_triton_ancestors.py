@@ -10,16 +10,16 @@ import functools
 import pytest
 import torch
 
-from kernels import reference as ref
+from treespec.kernels import reference as ref
 from test_triton_kernels import as_chunk, build_batch, i32, paged, random_tree
 from triton_interpret import DEV, HAVE_TRITON, load as _load, needs_triton
 
 pytestmark = needs_triton
 
 if HAVE_TRITON:
-    _load("kernels.triton_common")
-    anc_mod = _load("kernels.triton_ancestors")
-    attn_mod = _load("kernels.triton_tree_attention")
+    _load("treespec.kernels.triton_common")
+    anc_mod = _load("treespec.kernels.triton_ancestors")
+    attn_mod = _load("treespec.kernels.triton_tree_attention")
 
 
 def _equal_trees(b: int, t: int, g: torch.Generator) -> torch.Tensor:

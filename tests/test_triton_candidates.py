@@ -1,5 +1,5 @@
 """A drafter's candidate scores in one kernel (kernels/triton_candidates.py) against
-common.sampling.draft_scores' torch path: greedy, coupled and rejection rows mixed,
+treespec.common.spec.sampling.draft_scores' torch path: greedy, coupled and rejection rows mixed,
 top-k / top-p / min-p, a drafter vocabulary of its own (ids). Interpreter on a CPU,
 compiled with ``TRITON_INTERPRET=0`` on a GPU."""
 
@@ -10,7 +10,7 @@ import torch
 
 from triton_interpret import DEV, load, needs_triton
 
-from common.sampling import DRAFT_Q, TOPK_FIRST, draft_scores, filter_draw
+from treespec.common.spec.sampling import DRAFT_Q, TOPK_FIRST, draft_scores, filter_draw
 
 
 def rows(r: int, g: torch.Generator) -> list[torch.Tensor]:
@@ -25,7 +25,7 @@ def rows(r: int, g: torch.Generator) -> list[torch.Tensor]:
 @needs_triton
 @pytest.mark.parametrize("with_ids", [False, True])
 def test_kernel_scores_as_the_torch_path(with_ids, monkeypatch):
-    tc = load("kernels.triton_candidates")
+    tc = load("treespec.kernels.triton_candidates")
     g = torch.Generator().manual_seed(int(with_ids))
     r, v = 24, 500
     logits = torch.randn(r, v, generator=g) * 3
@@ -52,7 +52,7 @@ def test_kernel_scores_as_the_torch_path(with_ids, monkeypatch):
 
 @needs_triton
 def test_draw_kernel_filters_and_draws_as_the_torch_path():
-    tc = load("kernels.triton_candidates")
+    tc = load("treespec.kernels.triton_candidates")
     g = torch.Generator().manual_seed(5)
     r, v = 40, 700
     logits = torch.randn(r, v, generator=g) * 3
@@ -70,7 +70,7 @@ def test_draw_kernel_filters_and_draws_as_the_torch_path():
 @pytest.mark.skipif(DEV.type != "cuda", reason="the GPU path: CUDA, Triton compiled")
 def test_gpu_sampling_entry_points_give_the_torch_paths_result():
     """On a GPU, draft_scores and filter_draw take a whole vocabulary's top W from
-    common.vocab_top (chunk maxima and log-sum-exp from kernels.vocab_stats), then the
+    treespec.common.spec.vocab_top (chunk maxima and log-sum-exp from treespec.kernels.vocab_stats), then the
     kernels above: the CPU's torch path's columns, values and draws."""
     g = torch.Generator().manual_seed(7)
     r, v = 24, 151936

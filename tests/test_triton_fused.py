@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference as ref
+from treespec.kernels import reference as ref
 from triton_interpret import DEV, HAVE_TRITON, load as _load, needs_triton
 
 pytestmark = needs_triton
 
 if HAVE_TRITON:
-    _load("kernels.triton_common")
-    fused = _load("kernels.triton_fused")
+    _load("treespec.kernels.triton_common")
+    fused = _load("treespec.kernels.triton_fused")
 
 
 def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
@@ -73,14 +73,14 @@ def test_launchers_refuse_bad_shapes():
 
 def test_whole_model_on_triton_kernels_equals_reference(target_dir):
     """Every kernel of the backend at once: a prefill and a tree verify forward."""
-    from common.forward_batch import Chunk, build_forward_batch, chain_chunk
-    from common.kv_cache import SeqPages
-    from common.qwen3 import Qwen3Model
-    from common.tree import verify_chunk_layout
+    from treespec.common.runtime.forward_batch import Chunk, build_forward_batch, chain_chunk
+    from treespec.common.runtime.kv_cache import SeqPages
+    from treespec.common.model.qwen3 import Qwen3Model
+    from treespec.common.spec.tree import verify_chunk_layout
 
-    for name in ("kernels.triton_kv", "kernels.triton_accept", "kernels.triton_tree_attention"):
+    for name in ("treespec.kernels.triton_kv", "treespec.kernels.triton_accept", "treespec.kernels.triton_tree_attention"):
         _load(name)
-    backend = _load("kernels.triton_backend")
+    backend = _load("treespec.kernels.triton_backend")
     model = Qwen3Model.from_pretrained(target_dir, device=DEV)
     outs = []
     for ops in (ref, backend):

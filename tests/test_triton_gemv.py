@@ -7,14 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference as ref
+from treespec.kernels import reference as ref
 from triton_interpret import DEV, HAVE_TRITON, load as _load, needs_triton
 
 pytestmark = needs_triton
 
 if HAVE_TRITON:
-    _load("kernels.triton_common")
-    gemv = _load("kernels.triton_gemv")
+    _load("treespec.kernels.triton_common")
+    gemv = _load("treespec.kernels.triton_gemv")
 
 SMALL = (16, 64, 4, 2)      # BN, BK, warps, stages: tiles smaller than the shapes below
 
@@ -77,7 +77,7 @@ def test_refuses_bad_arguments():
 def test_qwen3_8b_projections_on_gpu(m):
     """Real shapes in bf16, the tuned tiles; replayed inside a CUDA graph with and
     without programmatic dependent launch, on fresh inputs, equal to eager."""
-    common = _load("kernels.triton_common")
+    common = _load("treespec.kernels.triton_common")
     g = torch.Generator(device=DEV).manual_seed(m)
     x = torch.randn(m, 4096, device=DEV, generator=g).bfloat16()
     w = (torch.randn(6144, 4096, device=DEV, generator=g) * 0.02).bfloat16()
@@ -101,7 +101,7 @@ def test_qwen3_8b_projections_on_gpu(m):
 
 
 def test_pdl_only_where_the_device_and_triton_have_it():
-    common = _load("kernels.triton_common")
+    common = _load("treespec.kernels.triton_common")
     assert not common.pdl_supported(torch.device("cpu"))
     if DEV.type == "cpu":       # interpreted kernels take no launch options
         assert common.launch_options(gemv._gemv_kernel, DEV) == {"PDL": False}

@@ -14,20 +14,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.accept import commit_kv
-from kernels import reference as ref
+from treespec.common.spec.accept import commit_kv
+from treespec.kernels import reference as ref
 from triton_interpret import DEV, HAVE_TRITON, INTERPRET, load as _load, needs_triton
 
 pytestmark = needs_triton
 
 
 if HAVE_TRITON:
-    _load("kernels.triton_common")
-    attn_mod = _load("kernels.triton_tree_attention")
-    kv_mod = _load("kernels.triton_kv")
-    accept_mod = _load("kernels.triton_accept")
-    _load("kernels.triton_ancestors")
-    tb = _load("kernels.triton_backend")
+    _load("treespec.kernels.triton_common")
+    attn_mod = _load("treespec.kernels.triton_tree_attention")
+    kv_mod = _load("treespec.kernels.triton_kv")
+    accept_mod = _load("treespec.kernels.triton_accept")
+    _load("treespec.kernels.triton_ancestors")
+    tb = _load("treespec.kernels.triton_backend")
 
 
 def i32(x) -> torch.Tensor:
@@ -331,7 +331,7 @@ def test_launchers_reject_bad_arguments():
 
 def test_backend_exports_the_dispatch_names_with_reference_signatures():
     import inspect
-    from kernels.dispatch import KERNEL_NAMES
+    from treespec.kernels.dispatch import KERNEL_NAMES
     for name in KERNEL_NAMES:
         ours, theirs = inspect.signature(getattr(tb, name)), inspect.signature(getattr(ref, name))
         assert list(ours.parameters) == list(theirs.parameters), name

@@ -9,13 +9,13 @@ import torch
 
 from triton_interpret import DEV, load, needs_triton
 
-from kernels import noise
+from treespec.kernels import noise
 
 
 @needs_triton
 @pytest.mark.parametrize("rows, v", [(1, 1), (5, 37), (3, 2051)])
 def test_kernel_draws_the_references_bits(rows, v):
-    tn = load("kernels.triton_noise")
+    tn = load("treespec.kernels.triton_noise")
     g = torch.Generator().manual_seed(rows * 1000 + v)
     seed = torch.randint(0, 1 << 31, (rows,), generator=g)
     seed[0] = (1 << 31) - 1
@@ -32,7 +32,7 @@ def test_kernel_draws_the_references_bits(rows, v):
 
 @needs_triton
 def test_kernel_names_a_bad_argument():
-    tn = load("kernels.triton_noise")
+    tn = load("treespec.kernels.triton_noise")
     seed = torch.zeros(3, dtype=torch.int64, device=DEV)
     with pytest.raises(ValueError, match="position"):
         tn.uniform_noise(seed, torch.zeros(2, dtype=torch.int64, device=DEV), 4)

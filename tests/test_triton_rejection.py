@@ -11,7 +11,7 @@ import torch
 from triton_interpret import DEV, HAVE_TRITON, load as _load, needs_triton
 from test_triton_kernels import random_tree
 
-from kernels import reference as ref
+from treespec.kernels import reference as ref
 
 
 def sparse_case(b: int, n: int, v: int, w: int, q: int, seed: int):
@@ -54,7 +54,7 @@ def test_sparse_and_dense_p_give_the_same_walk():
 @pytest.mark.parametrize("b, n, w, q, depth, siblings",
                          [(24, 9, 12, 6, 3, 2), (6, 5, 64, 32, 4, 1), (6, 20, 16, 8, 6, 4)])
 def test_kernel_vs_reference(b, n, w, q, depth, siblings):
-    tr = _load("kernels.triton_rejection") if HAVE_TRITON else None
+    tr = _load("treespec.kernels.triton_rejection") if HAVE_TRITON else None
     tokens, parents, probs, p_ids, q_ids, q_probs, _, seed, pos = sparse_case(
         b, n, w + 4, w, q, n)
     args = [x.to(DEV) for x in (tokens, parents, probs, p_ids, q_ids, q_probs, seed, pos)]

@@ -1,5 +1,5 @@
 """The vocabulary statistics' kernel (kernels/triton_vocab.py) against
-kernels.reference.vocab_stats: each row's log-sum-exp and its whole chunks' maxima,
+treespec.kernels.reference.vocab_stats: each row's log-sum-exp and its whole chunks' maxima,
 over one segment and several, with a partial last chunk and -inf logits. Interpreter on
 a CPU, compiled with ``TRITON_INTERPRET=0`` on a GPU."""
 
@@ -10,12 +10,12 @@ import torch
 
 from triton_interpret import DEV, load, needs_triton
 
-from kernels import reference
+from treespec.kernels import reference
 
 
 def _vocab():
-    load("kernels.triton_common")       # its reductions, decorated with the interpreter on
-    return load("kernels.triton_vocab")
+    load("treespec.kernels.triton_common")       # its reductions, decorated with the interpreter on
+    return load("treespec.kernels.triton_vocab")
 
 
 @needs_triton

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from common import cli
-from common.cli import RUNTIME, ConfigError, add_client_tls, add_runtime, check_model, given
+from treespec.common import cli
+from treespec.common.cli import RUNTIME, ConfigError, add_client_tls, add_runtime, check_model, given
 
-SERVER = "verify_service.server"
+SERVER = "treespec.verify_service.server"
 
 
 def add_arguments(v: argparse.ArgumentParser) -> None:
@@ -49,7 +49,7 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
 
 def config(args: argparse.Namespace):
     """VerifyConfig from parsed flags; ConfigError when it is refused."""
-    from verify_service.config import VerifyConfig
+    from treespec.verify_service.config import VerifyConfig
     check_model(args.model)
     try:
         cfg = VerifyConfig(model=args.model, draft=args.draft, **given(
@@ -70,7 +70,7 @@ def config(args: argparse.Namespace):
 def checkpoint_positions(model: str) -> int:
     """The checkpoint's max_position_embeddings (0 when it does not say)."""
     import json
-    from common.model_paths import resolve_model
+    from treespec.common.model.paths import resolve_model
     cfg = json.loads((resolve_model(model) / "config.json").read_text())
     return int(cfg.get("max_position_embeddings") or 0)
 

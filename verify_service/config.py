@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.service_config import ServiceConfig
-from common.tls import ClientTLS
+from treespec.common.serving.config import ServiceConfig
+from treespec.common.serving.tls import ClientTLS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +38,7 @@ class VerifyConfig(ServiceConfig):
     def draft_api_key(self) -> str | None:
         if not self.draft_api_key_file:
             return None
-        from common.auth import read_keys
+        from treespec.common.serving.auth import read_keys
         return read_keys(self.draft_api_key_file, "--draft-api-key-file")[0].decode()
 
     @property

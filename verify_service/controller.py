@@ -3,7 +3,7 @@
 Each step the engine asks ``Controller.plan`` for a *budget*: 0 (plain decode, the
 draft not asked) or a depth d from ``budget_depths(envelope)`` (the envelope's depth
 and its halvings). The draft is told d; its trees are cut to depth d
-(common.tree.cut_depth) and verified by the step graph of that width. The budget
+(treespec.common.spec.tree.cut_depth) and verified by the step graph of that width. The budget
 maximises expected committed tokens per second of the batch::
 
     score(d) = (B + sum_i E_i[min(L_i, d)]) / cost(d, b)
@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.graph_buckets import BATCH_BUCKETS
-from common.spec_types import DrafterInfo
-from common.tree import TreeEnvelope, budget_depths, budget_nodes
+from treespec.common.runtime.graph_buckets import BATCH_BUCKETS
+from treespec.common.spec.messages import DrafterInfo
+from treespec.common.spec.tree import TreeEnvelope, budget_depths, budget_nodes
 
 MODES = ("adaptive", "always", "off")
 REST_BELOW = 0.15          # expected accepted tokens a step under which a sequence rests

@@ -16,12 +16,12 @@ from types import ModuleType
 
 import torch
 
-from common.accept import commit_kv
-from common.forward_batch import device_forward_batch
-from common.kv_cache import PagedKVCache
-from common.qwen3 import Qwen3Model
-from common.sampling import filter_draw
-from common.tree import ROOT, verify_chunk_layout
+from treespec.common.spec.accept import commit_kv
+from treespec.common.runtime.forward_batch import device_forward_batch
+from treespec.common.runtime.kv_cache import PagedKVCache
+from treespec.common.model.qwen3 import Qwen3Model
+from treespec.common.spec.sampling import filter_draw
+from treespec.common.spec.tree import ROOT, verify_chunk_layout
 
 
 def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: int,
@@ -32,15 +32,15 @@ def fixed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: i
                width: int = -1) -> tuple[torch.Tensor, ...]:
     """roots [B] int64, tokens/parents [B, N] int32, context_lens [B] int32,
     block_tables [B, P] int32, sampling: None (every row greedy) or each row's
-    [temperature, top_k, top_p, min_p, seed] [B] (common.sampling.as_tensors),
+    [temperature, top_k, top_p, min_p, seed] [B] (treespec.common.spec.sampling.as_tensors),
     rejection: None or (q_ids, q_probs [B, N, Q], siblings tried per node), width:
-    common.sampling.filter_width of the rows' parameters ->
+    treespec.common.spec.sampling.filter_width of the rows' parameters ->
     accepted [B, depth] int32 (padded -1), num_accepted [B] int32, bonus [B] int64 and,
     when capture names target layers, their hidden states at [root, accepted path]
     [B, depth + 1, C] (rows past the path are junk). Advancing kv_len is the caller's.
 
     The target's choice at each node is its argmax, or for a sampling row its draw
-    (common.sampling.draw, keyed by the row's seed and the position it predicts), and
+    (treespec.common.spec.sampling.draw, keyed by the row's seed and the position it predicts), and
     a node is accepted iff its token is the target's choice at its parent; a sampling
     row with q (any nonzero) is accepted by rejection sampling instead."""
     b, n = tokens.shape

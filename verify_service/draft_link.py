@@ -1,7 +1,7 @@
 """The draft service as a Drafter: one Speculate stream, reconnected as needed.
 
 The stream runs over the draft's local Unix socket when it advertises one that this
-process reaches and that greets with the draft's instance id (common/frames.py; the
+process reaches and that greets with the draft's instance id (common/wire/frames.py; the
 same host), else over gRPC (``local=False``: always gRPC). On the H200 the socket
 bought 18 % tok/s over gRPC at batch 1 with the replay instrument (bench/NOTES.md,
 ninth session, call 1). With ``busy_poll`` the wait for the answer is a loop that
@@ -22,19 +22,19 @@ import time
 import grpc
 import torch
 
-from common import codec, frames, wire
-from common.aio import cancel_and_wait, spin_until
-from common.grpc_server import MESSAGE_LIMITS
-from common.auth import metadata
-from common.shared_buffer import SharedBuffer
-from common.spec_types import DrafterInfo
-from common.tls import ClientTLS, channel
-from common.tree import TreeBatch
-from protos.treespec.v1 import treespec_pb2 as pb
-from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
-from verify_service.draft_sync import DraftSync, Outgoing
-from verify_service.drafter import Drafted
-from verify_service.sequence import Sequence
+from treespec.common.wire import codec, frames, convert as wire
+from treespec.common.serving.aio import cancel_and_wait, spin_until
+from treespec.common.serving.grpc_server import MESSAGE_LIMITS
+from treespec.common.serving.auth import metadata
+from treespec.common.wire.shared_buffer import SharedBuffer
+from treespec.common.spec.messages import DrafterInfo
+from treespec.common.serving.tls import ClientTLS, channel
+from treespec.common.spec.tree import TreeBatch
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
+from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from treespec.verify_service.draft_sync import DraftSync, Outgoing
+from treespec.verify_service.drafter import Drafted
+from treespec.verify_service.sequence import Sequence
 
 log = logging.getLogger("treespec.verify.draft_link")
 
@@ -258,7 +258,7 @@ class DraftLink:
             self.sync.resync(list(msg.resync))
 
     def take_unwaited(self) -> tuple[float, float]:
-        """See verify_service.drafter.Drafter.take_unwaited."""
+        """See treespec.verify_service.drafter.Drafter.take_unwaited."""
         spent, self.unwaited_s = tuple(self.unwaited_s), [0.0, 0.0]
         return spent
 

@@ -19,7 +19,7 @@ committed token: an update's row i is the state at the token *before*
 new_tokens[i] (the state that predicted it; a full update's row 0 has none and is
 zeros), taken from the sequence's captured states on the device; all rows of a step
 leave the GPU together, one copy through a pinned buffer, or on the same-host carrier
-straight into the connection's shared buffer (common/shared_buffer.py), whose
+straight into the connection's shared buffer (common/wire/shared_buffer.py), whose
 request then carries only where they lie. Where the draft has given its projection
 (DrafterInfo.projected_width: its first use of the rows), the rows leave projected,
 in one matrix product on the device: a third (EAGLE-3) or a fifth (DFlash) of the
@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.codec import Staging
-from common.shared_buffer import SharedBuffer
-from common.spec_types import SeqUpdate, SpecRequest
+from treespec.common.wire.codec import Staging
+from treespec.common.wire.shared_buffer import SharedBuffer
+from treespec.common.spec.messages import SeqUpdate, SpecRequest
 
 if TYPE_CHECKING:
-    from verify_service.sequence import Sequence
+    from treespec.verify_service.sequence import Sequence
 
 
 # target hidden states one request carries at most in its message (a shared buffer

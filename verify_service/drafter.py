@@ -2,7 +2,7 @@
 
 Each step the engine asks its ``Drafter`` once for a tree per speculating sequence
 and, as sequences end, tells it to forget them. It never sees how the draft is
-reached: ``verify_service.draft_link.DraftLink`` is the draft service over the
+reached: ``treespec.verify_service.draft_link.DraftLink`` is the draft service over the
 local socket or gRPC; tests drive the engine with drafters in the same process.
 Whatever a drafter answers, the engine checks it before the target sees it: a
 broken draft costs a step's speculation, never a token.
@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from common.spec_types import DrafterInfo
-from common.tree import TreeBatch
+from treespec.common.spec.messages import DrafterInfo
+from treespec.common.spec.tree import TreeBatch
 
 if TYPE_CHECKING:
-    from verify_service.sequence import Sequence
+    from treespec.verify_service.sequence import Sequence
 
 # why a speculating step ran as plain decode; per sequence also "empty_tree" (a tree came,
 # all padding), "syncing" (the draft was still being sent its hidden states),

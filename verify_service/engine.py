@@ -4,12 +4,12 @@ Each loop iteration (1) admits waiting requests and prefills them in one forward
 (2) asks the draft for one tree per running sequence (one message for the batch),
 and (3) runs ONE target forward over [root, nodes] of every running sequence,
 accepting, committing and streaming 1..depth+1 tokens each (greedy, or each request's
-seeded draw: common/sampling.py). A missing, late or broken proposal turns the step
+seeded draw: common/spec/sampling.py). A missing, late or broken proposal turns the step
 into plain decode: output never changes.
 
 The draft is reached through a ``Drafter`` (verify_service/drafter.py); the engine
 never sees its carrier. All state is touched only on the event loop; compute runs
-where verify_service.step_runner puts it (a worker thread, or the loop when busy
+where treespec.verify_service.step_runner puts it (a worker thread, or the loop when busy
 polling).
 """
 
@@ -22,21 +22,21 @@ from collections import Counter, deque
 
 import numpy as np
 
-from common import sampling
-from common.aio import cancel_and_wait
-from common.errors import InvalidRequest, Overloaded, Unavailable
-from common.qwen3 import Qwen3Model
-from common.row_buffer import RowBuffer
-from common.graph_buckets import bucket
-from common.tree import TreeBatch, budget_nodes, cut_depth, validate_tree
-from kernels.dispatch import select
-from verify_service.controller import Controller, Plan
-from verify_service.drafter import Drafted, Drafter
-from verify_service.observer import EngineObserver, NullObserver, step_record
-from verify_service.request import GenRequest, check_request
-from verify_service.sequence import Sequence
-from verify_service.step_runner import StepRunner
-from verify_service.verifier import StepResult, Verifier
+from treespec.common.spec import sampling
+from treespec.common.serving.aio import cancel_and_wait
+from treespec.common.serving.errors import InvalidRequest, Overloaded, Unavailable
+from treespec.common.model.qwen3 import Qwen3Model
+from treespec.common.runtime.row_buffer import RowBuffer
+from treespec.common.runtime.graph_buckets import bucket
+from treespec.common.spec.tree import TreeBatch, budget_nodes, cut_depth, validate_tree
+from treespec.kernels.dispatch import select
+from treespec.verify_service.controller import Controller, Plan
+from treespec.verify_service.drafter import Drafted, Drafter
+from treespec.verify_service.observer import EngineObserver, NullObserver, step_record
+from treespec.verify_service.request import GenRequest, check_request
+from treespec.verify_service.sequence import Sequence
+from treespec.verify_service.step_runner import StepRunner
+from treespec.verify_service.verifier import StepResult, Verifier
 
 log = logging.getLogger("treespec.verify.engine")
 
@@ -309,7 +309,7 @@ class VerifyEngine:
         """Commit each sequence's accepted path and bonus token and stream them;
         returns (seq, drafted, depth, accepted, committed) per sequence still running.
         why: the reason a speculating sequence ran as plain decode, if it did; index:
-        the draft's node index of each verified node (common.tree.cut_depth)."""
+        the draft's node index of each verified node (treespec.common.spec.tree.cut_depth)."""
         done: list[tuple[Sequence, int, int, int, int]] = []
         tok_l = trees.tokens.tolist() if trees is not None else None
         offered_l = trees.num_valid() if trees is not None else [0] * len(seqs)

@@ -45,12 +45,12 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common.metrics import LATENCY_BUCKETS, MetricsServer
-from verify_service.observer import EngineObserver, StepRecord
-from verify_service.sequence import Sequence
+from treespec.common.serving.metrics import LATENCY_BUCKETS, MetricsServer
+from treespec.verify_service.observer import EngineObserver, StepRecord
+from treespec.verify_service.sequence import Sequence
 
 if TYPE_CHECKING:
-    from verify_service.engine import VerifyEngine
+    from treespec.verify_service.engine import VerifyEngine
 
 FINISHED = {"stop": "stop", "length": "length", "cancelled": "abort"}
 _NS = 1e-9

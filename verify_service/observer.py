@@ -3,8 +3,8 @@
 The engine imports neither OpenTelemetry nor prometheus-client; it calls an
 ``EngineObserver`` at five points and hands it plain data. ``NullObserver`` (the
 default) does nothing, so an engine without telemetry pays a few no-op calls and
-``time.time_ns()`` reads per step. Implementations: ``verify_service.metrics``
-(prometheus) and ``verify_service.tracing`` (spans); ``combine`` fans out to
+``time.time_ns()`` reads per step. Implementations: ``treespec.verify_service.metrics``
+(prometheus) and ``treespec.verify_service.tracing`` (spans); ``combine`` fans out to
 several.
 
 Call order, all on the engine's event loop:
@@ -28,13 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common import fanout
-from common.tree import TreeEnvelope
+from treespec.common.serving import fanout
+from treespec.common.spec.tree import TreeEnvelope
 
 if TYPE_CHECKING:
-    from verify_service.controller import Plan
-    from verify_service.drafter import Drafted
-    from verify_service.sequence import Sequence
+    from treespec.verify_service.controller import Plan
+    from treespec.verify_service.drafter import Drafted
+    from treespec.verify_service.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from common.errors import InvalidRequest
+from treespec.common.serving.errors import InvalidRequest
 
 # abort: the server stopped before the request finished (it ends UNAVAILABLE)
 FinishReason = Literal["length", "stop", "cancelled", "abort"]

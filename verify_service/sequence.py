@@ -8,12 +8,12 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.kv_cache import SeqPages
-from common.sampling import GREEDY, SamplingParams
-from verify_service.request import FinishReason, GenRequest, Stats, StepOutput
+from treespec.common.runtime.kv_cache import SeqPages
+from treespec.common.spec.sampling import GREEDY, SamplingParams
+from treespec.verify_service.request import FinishReason, GenRequest, Stats, StepOutput
 
 if TYPE_CHECKING:
-    from common.row_buffer import RowBuffer
+    from treespec.common.runtime.row_buffer import RowBuffer
 
 _ids = itertools.count(1)
 

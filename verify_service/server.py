@@ -8,19 +8,19 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from common.devices import bind_device, pick_device, pick_dtype
-from common.grpc_server import run_server, start_server
-from common.model_paths import resolve_model
-from common.qwen3 import Qwen3Model
-from common.sampling import checkpoint_defaults
-from common.telemetry import VERIFY_SERVICE_NAME, TracingInterceptor, tracer_provider_from_env
-from common.tokenizer import load_tokenizer
-from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
-from verify_service.config import VerifyConfig
-from verify_service.draft_link import DraftLink
-from verify_service.engine import VerifyEngine
-from verify_service.observer import EngineObserver, combine
-from verify_service.servicer import GenerationServicer
+from treespec.common.runtime.devices import bind_device, pick_device, pick_dtype
+from treespec.common.serving.grpc_server import run_server, start_server
+from treespec.common.model.paths import resolve_model
+from treespec.common.model.qwen3 import Qwen3Model
+from treespec.common.spec.sampling import checkpoint_defaults
+from treespec.common.serving.telemetry import VERIFY_SERVICE_NAME, TracingInterceptor, tracer_provider_from_env
+from treespec.common.model.tokenizer import load_tokenizer
+from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from treespec.verify_service.config import VerifyConfig
+from treespec.verify_service.draft_link import DraftLink
+from treespec.verify_service.engine import VerifyEngine
+from treespec.verify_service.observer import EngineObserver, combine
+from treespec.verify_service.servicer import GenerationServicer
 
 SERVICE = "treespec.v1.Generation"
 # a Generate request's bytes beside its text prompt (prompt ids up to a long context,
@@ -31,7 +31,7 @@ log = logging.getLogger("treespec.verify")
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-    from verify_service.metrics import VerifyMetrics
+    from treespec.verify_service.metrics import VerifyMetrics
 
 
 def build_observer(cfg: VerifyConfig, tracer_provider: TracerProvider | None
@@ -40,11 +40,11 @@ def build_observer(cfg: VerifyConfig, tracer_provider: TracerProvider | None
     observers: list[EngineObserver] = []
     metrics = None
     if cfg.metrics_port is not None:
-        from verify_service.metrics import VerifyMetrics
+        from treespec.verify_service.metrics import VerifyMetrics
         metrics = VerifyMetrics(str(cfg.model))
         observers.append(metrics)
     if tracer_provider is not None:
-        from verify_service.tracing import VerifyTracer
+        from treespec.verify_service.tracing import VerifyTracer
         observers.append(VerifyTracer(tracer_provider))
     return combine(observers), metrics
 
@@ -84,7 +84,7 @@ async def start(cfg: VerifyConfig, tracer_provider: TracerProvider | None = None
     """Build and start everything (for tests and run()); returns the bound port.
 
     Traces go to tracer_provider, by default the one the OTEL_* variables describe
-    (none when tracing is off: see common.telemetry). engine.stop() closes /metrics.
+    (none when tracing is off: see treespec.common.serving.telemetry). engine.stop() closes /metrics.
     """
     if tracer_provider is None:
         tracer_provider = tracer_provider_from_env(VERIFY_SERVICE_NAME)

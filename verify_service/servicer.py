@@ -9,13 +9,13 @@ from typing import Any
 
 import grpc
 
-from common import wire
-from common.errors import InvalidRequest, Unavailable
-from common.tokenizer import Detokenizer
-from protos.treespec.v1 import treespec_pb2 as pb
-from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
-from verify_service.engine import VerifyEngine
-from verify_service.request import GenRequest, Stats
+from treespec.common.wire import convert as wire
+from treespec.common.serving.errors import InvalidRequest, Unavailable
+from treespec.common.model.tokenizer import Detokenizer
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
+from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from treespec.verify_service.engine import VerifyEngine
+from treespec.verify_service.request import GenRequest, Stats
 
 class EngineFailure(RuntimeError):
     """The engine could not finish a request; the interceptor maps it to INTERNAL."""

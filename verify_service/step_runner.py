@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from common.aio import spin_until
-from common.kv_cache import SeqPages
-from common.sampling import SamplingParams
-from common.tree import TreeBatch
-from verify_service.verifier import StepResult, Verifier
+from treespec.common.serving.aio import spin_until
+from treespec.common.runtime.kv_cache import SeqPages
+from treespec.common.spec.sampling import SamplingParams
+from treespec.common.spec.tree import TreeBatch
+from treespec.verify_service.verifier import StepResult, Verifier
 
 
 class StepRunner:

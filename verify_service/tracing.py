@@ -1,7 +1,7 @@
 """Spans of the verify engine: an EngineObserver over an OpenTelemetry TracerProvider.
 
 One trace per Generate request. The request span is the Generate call's SERVER
-span (common.telemetry.TracingInterceptor), current when the engine hears of the
+span (treespec.common.serving.telemetry.TracingInterceptor), current when the engine hears of the
 request; without one (an engine used directly) this observer opens its own.
 Under it, per iteration that touched the request:
 
@@ -34,9 +34,9 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Link, Span, SpanKind
 
-from common.telemetry import inject, tracer_of
-from verify_service.observer import EngineObserver, StepRecord
-from verify_service.sequence import Sequence
+from treespec.common.serving.telemetry import inject, tracer_of
+from treespec.verify_service.observer import EngineObserver, StepRecord
+from treespec.verify_service.sequence import Sequence
 
 
 class VerifyTracer(EngineObserver):

@@ -9,10 +9,10 @@ and its page tables to the next power of two, packs every input into one int32
 tensor (one upload through the graph's pinned staging), replays, and reads back
 accepted / num / bonus as one tensor through a reused pinned buffer: one host sync
 per step. ``launch`` returns before the device is done, so the engine can poll
-for it on its event loop (verify_service.step_runner).
+for it on its event loop (treespec.verify_service.step_runner).
 
 No request state lives here: it takes page tables, roots and trees and returns
-what was accepted; the engine owns the bookkeeping (terms: common/accept.py).
+what was accepted; the engine owns the bookkeeping (terms: common/spec/accept.py).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from common.forward_batch import build_forward_batch, chain_chunk
-from common.graph_buckets import MIN_PAGES, BucketedGraphs, bucket
-from common.kv_cache import PagedKVCache, SeqPages
-from common.qwen3 import Qwen3Model
-from common.sampling import (GREEDY, TOPK_FIRST, SamplingParams, as_tensors, draw,
+from treespec.common.runtime.forward_batch import build_forward_batch, chain_chunk
+from treespec.common.runtime.graph_buckets import MIN_PAGES, BucketedGraphs, bucket
+from treespec.common.runtime.kv_cache import PagedKVCache, SeqPages
+from treespec.common.model.qwen3 import Qwen3Model
+from treespec.common.spec.sampling import (GREEDY, TOPK_FIRST, SamplingParams, as_tensors, draw,
                              filter_width)
-from common.tree import PAD, TreeBatch
-from verify_service.device_step import fixed_step
+from treespec.common.spec.tree import PAD, TreeBatch
+from treespec.verify_service.device_step import fixed_step
 
 
 @dataclass
@@ -133,7 +133,7 @@ class Verifier:
     def _family(self, n: int, params: list[SamplingParams] | None,
                 trees: TreeBatch | None) -> tuple:
         """A step graph's family: tree size, captured layers, how it draws
-        (common.sampling.filter_width: 0 it does not), and for rejection sampling q's
+        (treespec.common.spec.sampling.filter_width: 0 it does not), and for rejection sampling q's
         width and the siblings tried per node."""
         sampled = filter_width(params)
         q = trees.q_ids.shape[2] if sampled and n and trees.q_ids is not None else 0

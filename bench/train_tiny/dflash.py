@@ -5,7 +5,7 @@ serves.
 
 Context features. ``dflash_config.target_layer_ids`` [L_1 .. L_m] name transformers'
 ``hidden_states[L + 1]``: the residual stream entering target layer L + 1 (=
-common.qwen3 capture index L + 1). For the committed token at position p the feature
+treespec.common.model.qwen3 capture index L + 1). For the committed token at position p the feature
 is f_p = concat(h_{L_1 + 1}[p], ..) [m H].
 
 One block after committed s_0 .. s_n (features f_0 .. f_{n-1}; s_n the root, whose
@@ -31,10 +31,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from bench.train_tiny.eagle3 import RMSNorm, _MLP
-from common.qwen3 import rope_inv_freq
-from common.model_config import Qwen3Spec
-from kernels.reference import rope, rope_cos_sin
+from train_tiny.eagle3 import RMSNorm, _MLP
+from treespec.common.model.qwen3 import rope_inv_freq
+from treespec.common.model.config import Qwen3Spec
+from treespec.kernels.reference import rope, rope_cos_sin
 
 
 class _Attention(nn.Module):

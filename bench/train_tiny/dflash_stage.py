@@ -23,14 +23,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerFast
 
-from bench.train_tiny import corpus as C
-from bench.train_tiny import dflash as DF
-from bench.train_tiny import distill as D
-from bench.train_tiny import lm
-from bench.train_tiny.settings import Settings
-from bench.train_tiny.train_loop import run_stage
-from common.bench_accept import file_start_prompts
-from draft_service.dflash_head import default_layer_ids
+from train_tiny import corpus as C
+from train_tiny import dflash as DF
+from train_tiny import distill as D
+from train_tiny import lm
+from train_tiny.settings import Settings
+from train_tiny.train_loop import run_stage
+from bench_accept import file_start_prompts
+from treespec.draft_service.dflash_head import default_layer_ids
 
 NAME = "tiny-code-dflash"
 

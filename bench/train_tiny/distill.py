@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3ForCausalLM
 
-from bench.train_tiny.corpus import WindowSampler
-from bench.train_tiny.eagle3 import Eagle3Head
-from bench.train_tiny.lm import greedy_continue
+from train_tiny.corpus import WindowSampler
+from train_tiny.eagle3 import Eagle3Head
+from train_tiny.lm import greedy_continue
 
 
 class TargetTap:

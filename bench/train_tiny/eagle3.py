@@ -6,7 +6,7 @@ target vocabulary, V_d the draft vocabulary, eps = rms_norm_eps, theta = rope_th
 
 Aux features. `eagle_config.eagle_aux_hidden_state_layer_ids = [a, b, c]` (ascending)
 are *capture-before* indices: h_i is the residual stream entering target decoder layer i
-(= transformers `output_hidden_states[i]`, = common.qwen3 `capture_layers` index i, = what
+(= transformers `output_hidden_states[i]`, = treespec.common.model.qwen3 `capture_layers` index i, = what
 vLLM and SGLang's default capture; ids start at 2, so SGLang adds no +1). For the target
 token at position t the feature is f_t = concat(h_a[t], h_b[t], h_c[t])  [3H].
 
@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from kernels.reference import rms_norm, rope
+from treespec.kernels.reference import rms_norm, rope
 
 HEAD_TENSORS = (
     "embed_tokens.weight", "fc.weight", "midlayer.input_layernorm.weight",
@@ -315,7 +315,7 @@ def load_head(path: Path, embed: torch.Tensor | None = None,
               device: torch.device | str = "cpu") -> Eagle3Head:
     """The head in fp32. `embed` [V, H] stands in when the checkpoint has no
     embed_tokens.weight (the layout's optional tensor)."""
-    from common.checkpoint import load_state_dict
+    from treespec.common.model.checkpoint import load_state_dict
     cfg = json.loads((Path(path) / "config.json").read_text())
     sd = load_state_dict(path, dtype=torch.float32)
     if "embed_tokens.weight" not in sd:

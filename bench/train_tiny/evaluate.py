@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3ForCausalLM
 
-from bench.train_tiny.distill import TargetTap
-from bench.train_tiny.eagle3 import Eagle3Head
-from bench.train_tiny.lm import greedy_continue
+from train_tiny.distill import TargetTap
+from train_tiny.eagle3 import Eagle3Head
+from train_tiny.lm import greedy_continue
 
 # (cont [B, L], m) → drafts [B, chain] proposed from the prefix cont[:, :m]
 Proposer = Callable[[torch.Tensor, int], torch.Tensor]

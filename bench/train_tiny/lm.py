@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from bench.train_tiny.settings import LMShape, Settings
+from train_tiny.settings import LMShape, Settings
 
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

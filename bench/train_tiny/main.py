@@ -15,13 +15,13 @@ import torch
 import transformers
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
-from bench.train_tiny import corpus as C
-from bench.train_tiny import distill as D
-from bench.train_tiny import eagle3 as E
-from bench.train_tiny import evaluate as V
-from bench.train_tiny import lm
-from bench.train_tiny.settings import Settings, parse_args
-from bench.train_tiny.train_loop import StageResult, run_stage
+from train_tiny import corpus as C
+from train_tiny import distill as D
+from train_tiny import eagle3 as E
+from train_tiny import evaluate as V
+from train_tiny import lm
+from train_tiny.settings import Settings, parse_args
+from train_tiny.train_loop import StageResult, run_stage
 
 NAMES = {"target": "tiny-code", "draft": "tiny-code-draft", "eagle3": "tiny-code-eagle3"}
 MAX_TOTAL_BYTES = 30 * 1024 * 1024    # these three; with tiny-code-dflash all stay <= 40 MB
@@ -179,7 +179,7 @@ def run(s: Settings) -> dict:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     if s.only == "dflash":
-        from bench.train_tiny.dflash_stage import run_dflash
+        from train_tiny.dflash_stage import run_dflash
         return run_dflash(s)
     r = Run(s, torch.device(s.device), Path(s.out))
     r.out.mkdir(parents=True, exist_ok=True)

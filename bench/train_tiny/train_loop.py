@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.train_tiny.settings import StageSettings
+from train_tiny.settings import StageSettings
 
 _MEASURE_FROM, _MEASURE_TO = 5, 25  # steps timed to project the stage's wall time
 _TERM: list[int] = []               # SIGTERMs received while a stage ran

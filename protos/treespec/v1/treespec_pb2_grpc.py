@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.treespec.v1 import treespec_pb2 as protos_dot_treespec_dot_v1_dot_treespec__pb2
+from treespec.protos.treespec.v1 import treespec_pb2 as treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/treespec/v1/treespec_pb2_grpc.py depends on'
+        + ' but the generated code in treespec/protos/treespec/v1/treespec_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/treespec.v1.Generation/Generate',
-                request_serializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerateResponse.FromString,
+                request_serializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/treespec.v1.Generation/GetInfo',
-                request_serializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerationInfoRequest.SerializeToString,
-                response_deserializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerationInfo.FromString,
+                request_serializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerationInfoRequest.SerializeToString,
+                response_deserializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerationInfo.FromString,
                 _registered_method=True)
 
 
@@ -66,13 +66,13 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerateRequest.FromString,
+                    response_serializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerateResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
-                    request_deserializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerationInfoRequest.FromString,
-                    response_serializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerationInfo.SerializeToString,
+                    request_deserializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerationInfoRequest.FromString,
+                    response_serializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerationInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -100,8 +100,8 @@ class Generation:
             request,
             target,
             '/treespec.v1.Generation/Generate',
-            protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerateRequest.SerializeToString,
-            protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerateResponse.FromString,
+            treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerateRequest.SerializeToString,
+            treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -127,8 +127,8 @@ class Generation:
             request,
             target,
             '/treespec.v1.Generation/GetInfo',
-            protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerationInfoRequest.SerializeToString,
-            protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerationInfo.FromString,
+            treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerationInfoRequest.SerializeToString,
+            treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.GenerationInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -151,18 +151,18 @@ class DrafterStub:
         """
         self.GetInfo = channel.unary_unary(
                 '/treespec.v1.Drafter/GetInfo',
-                request_serializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.DrafterInfoRequest.SerializeToString,
-                response_deserializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.DrafterInfo.FromString,
+                request_serializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.DrafterInfoRequest.SerializeToString,
+                response_deserializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.DrafterInfo.FromString,
                 _registered_method=True)
         self.Speculate = channel.stream_stream(
                 '/treespec.v1.Drafter/Speculate',
-                request_serializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.SpeculateRequest.SerializeToString,
-                response_deserializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.Proposal.FromString,
+                request_serializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.SpeculateRequest.SerializeToString,
+                response_deserializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.Proposal.FromString,
                 _registered_method=True)
         self.GetProjection = channel.unary_stream(
                 '/treespec.v1.Drafter/GetProjection',
-                request_serializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.ProjectionRequest.SerializeToString,
-                response_deserializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.Tensor.FromString,
+                request_serializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.ProjectionRequest.SerializeToString,
+                response_deserializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.Tensor.FromString,
                 _registered_method=True)
 
 
@@ -194,18 +194,18 @@ def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
-                    request_deserializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.DrafterInfoRequest.FromString,
-                    response_serializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.DrafterInfo.SerializeToString,
+                    request_deserializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.DrafterInfoRequest.FromString,
+                    response_serializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.DrafterInfo.SerializeToString,
             ),
             'Speculate': grpc.stream_stream_rpc_method_handler(
                     servicer.Speculate,
-                    request_deserializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.SpeculateRequest.FromString,
-                    response_serializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.Proposal.SerializeToString,
+                    request_deserializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.SpeculateRequest.FromString,
+                    response_serializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.Proposal.SerializeToString,
             ),
             'GetProjection': grpc.unary_stream_rpc_method_handler(
                     servicer.GetProjection,
-                    request_deserializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.ProjectionRequest.FromString,
-                    response_serializer=protos_dot_treespec_dot_v1_dot_treespec__pb2.Tensor.SerializeToString,
+                    request_deserializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.ProjectionRequest.FromString,
+                    response_serializer=treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.Tensor.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -233,8 +233,8 @@ class Drafter:
             request,
             target,
             '/treespec.v1.Drafter/GetInfo',
-            protos_dot_treespec_dot_v1_dot_treespec__pb2.DrafterInfoRequest.SerializeToString,
-            protos_dot_treespec_dot_v1_dot_treespec__pb2.DrafterInfo.FromString,
+            treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.DrafterInfoRequest.SerializeToString,
+            treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.DrafterInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -260,8 +260,8 @@ class Drafter:
             request_iterator,
             target,
             '/treespec.v1.Drafter/Speculate',
-            protos_dot_treespec_dot_v1_dot_treespec__pb2.SpeculateRequest.SerializeToString,
-            protos_dot_treespec_dot_v1_dot_treespec__pb2.Proposal.FromString,
+            treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.SpeculateRequest.SerializeToString,
+            treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.Proposal.FromString,
             options,
             channel_credentials,
             insecure,
@@ -287,8 +287,8 @@ class Drafter:
             request,
             target,
             '/treespec.v1.Drafter/GetProjection',
-            protos_dot_treespec_dot_v1_dot_treespec__pb2.ProjectionRequest.SerializeToString,
-            protos_dot_treespec_dot_v1_dot_treespec__pb2.Tensor.FromString,
+            treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.ProjectionRequest.SerializeToString,
+            treespec_dot_protos_dot_treespec_dot_v1_dot_treespec__pb2.Tensor.FromString,
             options,
             channel_credentials,
             insecure,

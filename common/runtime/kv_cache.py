@@ -2,7 +2,7 @@
 
 Slots are positions in a sequence's KV. ``kv_len`` slots hold committed KV; a
 forward chunk writes its K/V right after them (scratch for a tree). After
-acceptance the accepted path is compacted in place (``kernels.compact_kv``) and
+acceptance the accepted path is compacted in place (``treespec.kernels.compact_kv``) and
 ``kv_len`` advances; everything past it is forgotten, never read.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common.block_manager import BlockManager
+from treespec.common.runtime.block_manager import BlockManager
 
 
 @dataclass

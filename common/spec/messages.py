@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.sampling import SamplingParams
-from common.tree import TreeBatch, TreeEnvelope
+from treespec.common.spec.sampling import SamplingParams
+from treespec.common.spec.tree import TreeBatch, TreeEnvelope
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from common.tls import ServerTLS
+from treespec.common.serving.tls import ServerTLS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,7 +40,7 @@ class ServiceConfig:
 
     @property
     def api_keys(self) -> tuple[bytes, ...] | None:
-        from common.auth import read_keys      # common.auth holds grpc; engines do not
+        from treespec.common.serving.auth import read_keys      # treespec.common.serving.auth holds grpc; engines do not
         return read_keys(self.api_key_file) if self.api_key_file else None
 
     @property

@@ -12,7 +12,7 @@ Frames: a 5-byte header, ``<I`` payload length and one kind byte, then the paylo
     HELLO    server -> client, first: the draft's instance id (utf-8), so a client
              knows the socket it reached belongs to the draft it asked GetInfo of;
              then, for a draft that reads hidden states, a newline and the path of
-             the connection's shared buffer (common/shared_buffer.py)
+             the connection's shared buffer (common/wire/shared_buffer.py)
     MESSAGE  a serialized protobuf (SpeculateRequest one way, Proposal the other)
     ERROR    server -> client, last: "CODE\\nmessage" (a gRPC status code name), then
              the server closes the connection, as a gRPC stream ends with a status
@@ -34,7 +34,7 @@ from typing import Generic, Protocol, TypeVar
 HELLO, MESSAGE, ERROR = 1, 2, 3
 KINDS = (HELLO, MESSAGE, ERROR)
 _HEADER = struct.Struct("<IB")
-MAX_FRAME_BYTES = 64 * 1024 * 1024      # as common.grpc_server.MAX_MESSAGE_BYTES
+MAX_FRAME_BYTES = 64 * 1024 * 1024      # as treespec.common.serving.grpc_server.MAX_MESSAGE_BYTES
 
 
 class FrameError(Exception):

@@ -4,7 +4,7 @@ A GPU's topk over 151936 columns is slow (it ranks whole rows), and a drafter's 
 and every sampling row ask for a few of them. A row's top k lie in the k CHUNKs of
 columns with the highest maxima: a chunk holding one of them has a maximum at least
 that high, and at most k - 1 other chunks can beat it. So one pass for the chunks'
-maxima (``kernels.vocab_stats``, which gives the row's log-sum-exp in the same read),
+maxima (``treespec.kernels.vocab_stats``, which gives the row's log-sum-exp in the same read),
 a top-k over those, and one over the k chosen chunks' columns (and the columns past
 the last whole chunk) give topk's values; tied columns may differ.
 """

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.kv_cache import PagedKVCache, SeqPages
+from treespec.common.runtime.kv_cache import PagedKVCache, SeqPages
 
 
 @dataclass

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from common import codec
-from common.sampling import SamplingParams
-from common.shared_buffer import SharedBuffer
-from common.spec_types import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
-from common.tree import TreeBatch, TreeEnvelope
-from protos.treespec.v1 import treespec_pb2 as pb
+from treespec.common.wire import codec
+from treespec.common.spec.sampling import SamplingParams
+from treespec.common.wire.shared_buffer import SharedBuffer
+from treespec.common.spec.messages import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
+from treespec.common.spec.tree import TreeBatch, TreeEnvelope
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
 
 
 def envelope_to_pb(e: TreeEnvelope) -> pb.TreeEnvelope:

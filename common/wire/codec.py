@@ -4,7 +4,7 @@ Only host tensors are encoded: device tensors reach the host first through a reu
 pinned ``Staging`` buffer (one non-blocking copy and one sync for a whole message's
 rows); decoding copies the message bytes once, into a tensor of its own. On the
 same-host carrier a tensor may instead lie in the connection's shared buffer
-(common/shared_buffer.py): encoded as its offset there, decoded as a view of it.
+(common/wire/shared_buffer.py): encoded as its offset there, decoded as a view of it.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import math
 
 import torch
 
-from common.shared_buffer import SharedBuffer
-from protos.treespec.v1 import treespec_pb2 as pb
+from treespec.common.wire.shared_buffer import SharedBuffer
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
 
 DTYPES: dict[str, torch.dtype] = {
     "int32": torch.int32, "int64": torch.int64, "float32": torch.float32,

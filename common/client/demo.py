@@ -14,10 +14,10 @@ import signal
 import sys
 import time
 
-from common.cli import positive_int
-from common.client import Collector, Completion, ServerInfo, TreespecClient, tokens_per_step
-from common.launch import ServiceProcess, start_service
-from common.model_paths import SHIPPED_DRAFTS
+from treespec.common.cli import positive_int
+from treespec.common.client import Collector, Completion, ServerInfo, TreespecClient, tokens_per_step
+from treespec.common.serving.launch import ServiceProcess, start_service
+from treespec.common.model.paths import SHIPPED_DRAFTS
 
 TARGET, DRAFT = "tiny-code", SHIPPED_DRAFTS["model"]
 # Repeated spans, so an n-gram proposer has something to find too.

@@ -1,6 +1,6 @@
 """Target hidden states beside the hop, in memory both services map.
 
-On the same-host carrier (common/frames.py) a draft that reads target hidden states
+On the same-host carrier (common/wire/frames.py) a draft that reads target hidden states
 (EAGLE-3) makes one buffer per connection, a file under /dev/shm, and names it in
 its hello. The verify service maps it (registered with CUDA where it can be, so the
 device writes into it directly), copies a step's hidden states into it in one

@@ -1,6 +1,6 @@
 """The grpc.aio server both services run: error mapping, health, reflection, stop.
 
-Servicers stay thin: they raise ``common.errors`` types (or let a
+Servicers stay thin: they raise ``treespec.common.serving.errors`` types (or let a
 ``codec.CodecError`` through) and the interceptor here turns them into status
 codes, so no servicer method carries its own try/except:
 
@@ -30,10 +30,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common import codec
-from common.auth import HANDLER_FACTORIES, AuthInterceptor
-from common.errors import InvalidRequest, Overloaded, Unavailable
-from common.tls import ServerTLS
+from treespec.common.wire import codec
+from treespec.common.serving.auth import HANDLER_FACTORIES, AuthInterceptor
+from treespec.common.serving.errors import InvalidRequest, Overloaded, Unavailable
+from treespec.common.serving.tls import ServerTLS
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ async def start_server(host: str, port: int, add_servicers: Callable[[grpc.aio.S
     listed by reflection. port 0 binds a free port; returns (server, bound port).
     interceptors (e.g. tracing) run outside the error mapping, first one outermost.
     tls on: the port serves TLS only (mutual TLS when it names a client CA); api_keys:
-    every call but health checks needs one of them (common.auth); reflect: serve
+    every call but health checks needs one of them (treespec.common.serving.auth); reflect: serve
     gRPC reflection; max_receive: a larger request is refused unread
     (RESOURCE_EXHAUSTED).
     """

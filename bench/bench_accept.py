@@ -1,6 +1,6 @@
-"""`treespec bench-accept`: how well each proposer x envelope speculates on held-out text.
+"""How well each proposer x envelope speculates on held-out text.
 
-    treespec bench-accept [--model tiny-code] [--methods ngram,model,eagle3]
+    python bench/bench_accept.py [--model tiny-code] [--methods ngram,model,eagle3]
         [--envelopes chain4,tree-small,15x4x16] [--files 8] [--prompt-tokens 128]
         [--max-tokens 48] [--temperature T [--top-k K --top-p P --min-p M]]
         [--draft-sampling sample|deterministic] [--acceptance coupled|rejection]
@@ -23,15 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import sysconfig
 import time
 import urllib.request
 from pathlib import Path
 
-from common.cli import ConfigError, positive_int
-from common.client import TreespecClient
-from common.launch import start_service
-from common.model_paths import SHIPPED_DRAFTS, resolve_model
+
+from treespec.common.cli import ConfigError, positive_int
+from treespec.common.client import TreespecClient
+from treespec.common.serving.launch import start_service
+from treespec.common.model.paths import SHIPPED_DRAFTS, resolve_model
 
 HEADER = ("| proposer | envelope | tokens/step | accepted path reaches depth 1..D | "
           "target forwards saved | output identical |\n| --- | --- | --- | --- | --- | --- |")
@@ -42,7 +44,7 @@ DRAFTS = re.compile(r"^vllm:spec_decode_num_drafts_total\{.*\} (\S+)$")
 
 def held_out_prompts(target: Path, files: int, prompt_tokens: int) -> list[list[int]]:
     """The first prompt_tokens tokens of the target's first `files` held-out files."""
-    from common.tokenizer import load_tokenizer
+    from treespec.common.model.tokenizer import load_tokenizer
     tok = load_tokenizer(target)
     info_path = target / "TRAINING.json"
     if tok is None or not info_path.exists():
@@ -169,3 +171,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if all(r["identical"] or not r["must_be_identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    try:
+        sys.exit(run(parser.parse_args()))
+    except ConfigError as e:
+        parser.error(str(e))

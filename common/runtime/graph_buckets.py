@@ -3,7 +3,7 @@
 A step that runs at fixed shapes pads its batch to the next batch bucket (padding
 rows point every page at one scratch page and their results are dropped) and its
 page tables to the next power-of-two width. ``BucketedGraphs`` owns the scratch
-page, the shared CUDA graph memory pool and one ``common.cuda_graph.StaticGraph``
+page, the shared CUDA graph memory pool and one ``treespec.common.runtime.cuda_graph.StaticGraph``
 per (family, batch bucket, page bucket); a family names one function and its
 other static shapes. The first capture at a (family, page bucket) also captures
 every other batch bucket up to ``max_batch``'s: a batch grows and shrinks as
@@ -21,8 +21,8 @@ from collections.abc import Callable, Hashable
 import numpy as np
 import torch
 
-from common.cuda_graph import StaticGraph
-from common.kv_cache import PagedKVCache, SeqPages
+from treespec.common.runtime.cuda_graph import StaticGraph
+from treespec.common.runtime.kv_cache import PagedKVCache, SeqPages
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # the smallest captured page bucket (4096 tokens of 16): a wider table than the context

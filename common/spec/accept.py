@@ -27,8 +27,8 @@ from types import ModuleType
 
 import torch
 
-from common.forward_batch import device_slots
-from common.kv_cache import PagedKVCache
+from treespec.common.runtime.forward_batch import device_slots
+from treespec.common.runtime.kv_cache import PagedKVCache
 
 
 def commit_kv(cache: PagedKVCache, ops: ModuleType, accepted: torch.Tensor,

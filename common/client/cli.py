@@ -6,10 +6,10 @@ import argparse
 import json
 import sys
 
-from common.cli import ConfigError, add_client_tls, int_list, positive_int
-from common.client import TreespecClient, tokens_per_step
-from common.auth import read_keys
-from common.tls import ClientTLS
+from treespec.common.cli import ConfigError, add_client_tls, int_list, positive_int
+from treespec.common.client import TreespecClient, tokens_per_step
+from treespec.common.serving.auth import read_keys
+from treespec.common.serving.tls import ClientTLS
 
 
 def client(args: argparse.Namespace) -> TreespecClient:

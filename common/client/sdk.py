@@ -23,10 +23,10 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.auth import metadata
-from common.tls import ClientTLS, channel
-from protos.treespec.v1 import treespec_pb2 as pb
-from protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from treespec.common.serving.auth import metadata
+from treespec.common.serving.tls import ClientTLS, channel
+from treespec.protos.treespec.v1 import treespec_pb2 as pb
+from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -193,7 +193,7 @@ class TreespecClient:
 
     def __init__(self, addr: str, timeout: float | None = None,
                  tls: ClientTLS | None = None, api_key: str | None = None) -> None:
-        """tls: speak TLS (common.tls.ClientTLS: a CA, and for mutual TLS a certificate);
+        """tls: speak TLS (treespec.common.serving.tls.ClientTLS: a CA, and for mutual TLS a certificate);
         api_key: the bearer token a server with --api-key-file wants."""
         self._md = metadata(api_key)
         self.addr = addr

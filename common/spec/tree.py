@@ -22,8 +22,9 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from treespec.kernels.reference import PAD
+
 ROOT = -1
-PAD = -2
 
 
 @dataclass(frozen=True)

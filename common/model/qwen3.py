@@ -13,10 +13,10 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from common.checkpoint import load_state_dict, tensor_taker
-from common.forward_batch import ForwardBatch
-from common.kv_cache import PagedKVCache
-from common.model_config import Qwen3Spec
+from treespec.common.model.checkpoint import load_state_dict, tensor_taker
+from treespec.common.runtime.forward_batch import ForwardBatch
+from treespec.common.runtime.kv_cache import PagedKVCache
+from treespec.common.model.config import Qwen3Spec
 
 
 def rope_inv_freq(spec: Qwen3Spec, device: torch.device) -> torch.Tensor:

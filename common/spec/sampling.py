@@ -7,7 +7,7 @@ until their mass reaches top_p, at least one), min-p (tokens at least min_p time
 likely as the most likely). Temperature 0 is greedy (argmax, no sampling).
 
 The draw is Gumbel-max: x = argmax_v(filtered logits / T + g_v), g_v Gumbel noise from
-``kernels.reference.gumbel_noise(seed, position)``: a counter-based hash of the
+``treespec.kernels.reference.gumbel_noise(seed, position)``: a counter-based hash of the
 request's seed, the token's position in the sequence and the vocabulary id. Given the
 prefix, the noise at a position is independent of everything before it, so x is an
 exact sample of p there; and a position's draw depends only on (seed, position, p), so
@@ -29,10 +29,10 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from common.errors import InvalidRequest
-from common.vocab_top import scaled_top
-from kernels.dispatch import triton_available
-from kernels.noise import gumbel_noise
+from treespec.common.serving.errors import InvalidRequest
+from treespec.common.spec.vocab_top import scaled_top
+from treespec.kernels.availability import triton_available
+from treespec.kernels.noise import gumbel_noise
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def filter_draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     (kernels/triton_candidates.py; this is its reference)."""
     top = _top_on_device(logits, temperature, width)
     if top is not None:
-        from kernels.triton_candidates import filter_draw as on_device
+        from treespec.kernels.triton_candidates import filter_draw as on_device
         vals, ids, tok = on_device(*top[:2], temperature, top_k, top_p, min_p, seed, position)
         return vals, ids, torch.where(temperature > 0, tok, logits.argmax(-1))
     vals, ids = filter_sparse(logits.float(), temperature, top_k, top_p, min_p, width)
@@ -151,14 +151,14 @@ def filter_draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 def _top_on_device(logits: torch.Tensor, temperature: torch.Tensor, width: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(logits / T)'s top-W values and columns [R, W] (T 1 where 0) and the logits'
-    log-sum-exp [R] (common.vocab_top.scaled_top), when the rest is for a Triton
-    kernel: a GPU, 0 < W <= kernels.triton_candidates.MAX_WIDTH."""
+    log-sum-exp [R] (treespec.common.spec.vocab_top.scaled_top), when the rest is for a Triton
+    kernel: a GPU, 0 < W <= treespec.kernels.triton_candidates.MAX_WIDTH."""
     if not (0 < width < logits.shape[-1] and triton_available(logits.device)):
         return None
-    from kernels.triton_candidates import MAX_WIDTH
+    from treespec.kernels.triton_candidates import MAX_WIDTH
     if width > MAX_WIDTH:
         return None
-    from kernels import triton_backend
+    from treespec.kernels import triton_backend
     return scaled_top(logits, temperature, width, triton_backend)
 
 
@@ -191,7 +191,7 @@ def draft_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     (kernels/triton_candidates.py; this is its reference)."""
     top = _top_on_device(logits, temperature, width)
     if top is not None:
-        from kernels.triton_candidates import score_candidates
+        from treespec.kernels.triton_candidates import score_candidates
         return score_candidates(*top, temperature, top_k, top_p, min_p, seed, position,
                                 rejection, min(DRAFT_Q, width), ids)
     vals, cols = filter_sparse(logits.float(), temperature, top_k, top_p, min_p, width)

@@ -1,6 +1,6 @@
 """Run treespec services as child processes, the way an operator would.
 
-A service started through the CLI (`python -m common.cli draft|verify ... --port 0`)
+A service started through the CLI (`python -m treespec.common.cli draft|verify ... --port 0`)
 prints `listening on HOST:PORT` on stdout once it is bound; `start_service` waits for
 that line and returns the address. `ServiceProcess.stop` sends SIGTERM, waits, and
 kills on timeout. Used by `treespec demo` and by the tests (tests/services.py).
@@ -15,21 +15,21 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from pathlib import Path
 
 LISTENING = re.compile(r"^listening on (\S+):(\d+)\s*$")
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
 def cli_command(*args: str) -> list[str]:
     """argv that runs the treespec CLI with this interpreter."""
-    return [sys.executable, "-m", "common.cli", *args]
+    return [sys.executable, "-m", "treespec.common.cli", *args]
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This environment, with the package importable and the child's output unbuffered."""
+    """This environment, with the child's output unbuffered and its working directory
+    kept off sys.path (from a checkout, its common/ and kernels/ folders would shadow
+    installed packages; the child runs this interpreter, which has treespec installed)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONSAFEPATH"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env

@@ -1,0 +1,1 @@
+"""Qwen3: its architecture numbers, HF checkpoint loading, the forward, the tokenizer."""

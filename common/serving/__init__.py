@@ -1,0 +1,1 @@
+"""Serving plumbing both services share: the grpc.aio server, TLS, auth, telemetry."""

@@ -1,0 +1,1 @@
+"""Speculation itself: trees and envelopes, acceptance, sampling, the hop's domain types."""
