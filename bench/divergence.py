@@ -29,7 +29,7 @@ from treespec.common.runtime.forward_batch import build_forward_batch, chain_chu
 from treespec.common.runtime.kv_cache import SeqPages
 from treespec.common.spec.tree import TreeBatch
 from treespec.kernels.dispatch import select
-from treespec.verify_service.verifier import Verifier
+from treespec.verify_service.verifier import Verifier, VerifyBatch
 
 DEPTH = 4
 
@@ -43,13 +43,13 @@ def generate(ver: Verifier, prompt: list[int], steps: int, mode: str,
     parents = torch.arange(-1, DEPTH - 1, dtype=torch.int32).view(1, DEPTH)
     while len(out) < steps:
         if mode == "plain":
-            r = ver.step(pages, [out[-1]], None, 0)
+            r = ver.step(VerifyBatch(pages, [out[-1]], None, 0))
         else:
             k = len(out)
             prop = ref[k:k + DEPTH] if mode == "oracle" and ref[:k] == out else []
             prop = (prop + [ver.model.spec.vocab_size - 1] * DEPTH)[:DEPTH]
             tokens = torch.tensor([prop], dtype=torch.int32)
-            r = ver.step(pages, [out[-1]], TreeBatch(tokens, parents), DEPTH)
+            r = ver.step(VerifyBatch(pages, [out[-1]], TreeBatch(tokens, parents), DEPTH))
             out += [prop[i] for i in r.accepted[0]]
             accepted += len(r.accepted[0])
         out.append(r.bonus[0])

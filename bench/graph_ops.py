@@ -34,7 +34,9 @@ from treespec.common.spec.tree import PRESETS, TreeBatch
 from treespec.draft_service.config import DraftConfig
 from treespec.draft_service.engine import DraftEngine
 from treespec.kernels.dispatch import select
-from treespec.verify_service.verifier import pack_inputs, packed_step
+from treespec.common.runtime.kv_cache import SeqPages
+from treespec.common.spec.sampling_batch import SamplingBatch
+from treespec.verify_service.verifier import StepFamily, VerifyBatch, pack_inputs, packed_step
 
 VIEWS = {"view", "reshape", "_unsafe_view", "expand", "slice", "unsqueeze", "squeeze",
          "as_strided", "select", "t", "transpose", "permute", "detach", "alias", "unbind",
@@ -129,9 +131,12 @@ def verify_step(k: Kernels, b: int, n: int, sampled: bool) -> None:
             q = DRAFT_Q
             trees.q_ids = torch.randint(0, 5000, (b, n, q), dtype=torch.int32)
             trees.q_probs = torch.full((b, n, q), 1.0 / q)
-    packed = pack_inputs([5] * b, [40] * b, trees, tables, b, 8, 0, params, q)
-    _counted(k, packed_step, model, cache, select(torch.device("cpu"), "triton"), n, (), n,
-             filter_width(params), packed, q, 1)
+    batch = VerifyBatch([SeqPages(t, 40) for t in tables], [5] * b, trees, n,
+                        SamplingBatch(params) if params else None)
+    family = StepFamily(n, (), filter_width(params), q, 1 if q else 0)
+    packed = pack_inputs(batch, b, 8, 0, family)
+    _counted(k, packed_step, model, cache, select(torch.device("cpu"), "triton"), n, family,
+             packed)
 
 
 def _counted(k: Kernels, fn, *a, **kw):

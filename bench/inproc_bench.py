@@ -12,7 +12,7 @@ from treespec.common.spec.tree import TreeBatch
 from treespec.common.model.qwen3 import Qwen3Model
 from treespec.common.model.config import Qwen3Spec
 from treespec.kernels.dispatch import select
-from treespec.verify_service.verifier import Verifier
+from treespec.verify_service.verifier import Verifier, VerifyBatch
 
 
 def sync(device: torch.device) -> None:
@@ -133,7 +133,8 @@ def verify_latency_ms(model: Qwen3Model, ctx: int, batches: list[int], nodes: li
             times = []
             for it in range(iters + 3):
                 t0 = time.perf_counter()
-                verifier.step(pages, roots, TreeBatch(tokens, parents) if n else None, depth)
+                verifier.step(VerifyBatch(pages, roots,
+                                          TreeBatch(tokens, parents) if n else None, depth))
                 times.append(time.perf_counter() - t0)
                 for p in pages:
                     p.kv_len = ctx

@@ -34,7 +34,7 @@ from treespec.common.model.qwen3 import Qwen3Model
 from treespec.kernels import reference
 from treespec.kernels.dispatch import KERNEL_NAMES, select
 from treespec.kernels.triton_common import set_pdl
-from treespec.verify_service.verifier import Verifier
+from treespec.verify_service.verifier import Verifier, VerifyBatch
 
 
 def random_model(name: str, dev: torch.device, plant: bool = False) -> Qwen3Model:
@@ -79,12 +79,12 @@ def tree_profile(ver: Verifier, pages: list[SeqPages], roots: list[int], ctx: in
         tok = torch.randint(0, vocab, (1, n), generator=g, dtype=torch.int32) if n else None
         par = random_trees(1, n, depth, g) if n else None
         for _ in range(3):                      # capture and warm
-            ver.step(pages, roots, TreeBatch(tok, par) if n else None, depth)
+            ver.step(VerifyBatch(pages, roots, TreeBatch(tok, par) if n else None, depth))
             pages[0].kv_len = ctx
         graph = [v for k, v in ver.buckets.graphs.items() if k[0][0] == n][0]
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
-                ver.step(pages, roots, TreeBatch(tok, par) if n else None, depth)
+                ver.step(VerifyBatch(pages, roots, TreeBatch(tok, par) if n else None, depth))
                 pages[0].kv_len = ctx
             torch.cuda.synchronize()
         per_kernel = {e.key[:90]: round(e.device_time_total / 1000 / steps, 4)
@@ -147,7 +147,8 @@ def main() -> None:
             for _ in range(30):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                ver.step(pages, roots, None if tok is None else TreeBatch(tok, par), depth)
+                ver.step(VerifyBatch(pages, roots,
+                                     None if tok is None else TreeBatch(tok, par), depth))
                 times.append(time.perf_counter() - t0)
                 for sp in pages:                # back to the prompt: same context every step
                     sp.kv_len = a.ctx

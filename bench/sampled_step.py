@@ -25,7 +25,8 @@ from treespec.common.runtime.kv_cache import SeqPages
 from treespec.common.spec.sampling import DRAFT_Q, SamplingParams
 from treespec.common.spec.tree import TreeBatch
 from treespec.kernels.dispatch import select
-from treespec.verify_service.verifier import Verifier
+from treespec.common.spec.sampling_batch import SamplingBatch
+from treespec.verify_service.verifier import Verifier, VerifyBatch
 
 
 def trees(b: int, vocab: int, q: bool, g: torch.Generator) -> TreeBatch:
@@ -78,14 +79,15 @@ def main() -> None:
         for mode, ps, q in (("greedy", None, False), ("coupled", params, False),
                             ("rejection", params, True)):
             t = trees(b, vocab, q, g)
+            batch = VerifyBatch(pages, roots, t, 4, SamplingBatch(ps) if ps else None)
             for _ in range(3):                      # capture, then warm
-                ver.step(pages, roots, t, 4, ps)
+                ver.step(batch)
                 for sp in pages:
                     sp.kv_len = a.ctx
-            key = (ver._family(4, ps, t), *ver.buckets.buckets(pages))
+            key = (ver._family(batch), *ver.buckets.buckets(pages))
             graph = ver.buckets.graphs[key].graph
             row[mode] = replay_ms(graph) if graph is not None else wall_ms(
-                lambda: ver.step(pages, roots, t, 4, ps), pages, a.ctx)
+                lambda: ver.step(batch), pages, a.ctx)
         row["coupled_over_greedy"] = row["coupled"] / row["greedy"]
         row["rejection_over_greedy"] = row["rejection"] / row["greedy"]
         res["rows"][str(b)] = row

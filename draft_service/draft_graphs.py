@@ -13,7 +13,9 @@ import torch
 
 from treespec.common.runtime.graph_buckets import MIN_PAGES, BucketedGraphs, bucket
 from treespec.common.runtime.kv_cache import PagedKVCache, SeqPages
-from treespec.common.spec.sampling import GREEDY, TOPK_FIRST, SamplingParams, filter_width
+from treespec.common.spec import sampling_batch
+from treespec.common.spec.sampling import GREEDY, TOPK_FIRST
+from treespec.common.spec.sampling_batch import SamplingBatch
 from treespec.draft_service.proposer import RowSampling
 
 # an extra per-unit input of a step: (shape of one unit's row, dtype)
@@ -24,8 +26,8 @@ class DraftGraphs:
     """A drafter's step ``fn(tokens [B, C] int64, count [B] int32, ctx0 [B] int32,
     table [B, P] int32, *extras [B, C, ...], sampling=None, depth=0)`` captured per
     (batch bucket, page bucket), again per shallower depth (greedy), and with sampling
-    (each row's [temperature, top_k, top_p, min_p, seed] and rejection flag [B],
-    padding rows greedy, then the batch's filter width, a constant of the graph) for
+    (each row's sampling columns (treespec.common.spec.sampling_batch) and rejection
+    flag, padding rows greedy, then the batch's filter width, a constant of the graph) for
     batches where a row samples: row b's first count[b] units are written from
     ctx0[b] on, the rest is padding. A sampled step's last two outputs are the trees'
     q_ids and q_probs.
@@ -68,10 +70,9 @@ class DraftGraphs:
             extras.append(x)
         width = 0
         if sampling is not None:
-            params = [r.params if r else GREEDY for r in sampling] + [GREEDY] * (b - real)
-            cols.append(per_row(params, [bool(r and r.rejection) for r in sampling]
-                                + [False] * (b - real)))
-            width = filter_width(params)
+            rows = SamplingBatch([r.params if r else GREEDY for r in sampling])
+            cols.append(per_row(rows, [bool(r and r.rejection) for r in sampling], b))
+            width = rows.width
         key, graph = self._graph(b, p, sampling is not None, width, depth)
         out = graph(torch.cat(cols, 1), *extras)[0][:real].cpu()
         return unpack(out, self._layout[key])
@@ -88,7 +89,7 @@ class DraftGraphs:
             packed[:, c] = 1                                    # one unit a row
             packed[:, c + 2:c + 2 + p] = gb.scratch
             if sampled:
-                packed[:, c + 2 + p:] = per_row([GREEDY], [False]).to(dev)
+                packed[:, c + 2 + p:] = per_row(SamplingBatch.greedy(1), [False], 1).to(dev)
             return [packed, *[torch.zeros((bb, c, *shape), dtype=dtype, device=dev)
                               for shape, dtype in self.extras]]
 
@@ -98,10 +99,8 @@ class DraftGraphs:
         def fn(packed: torch.Tensor, *extras: torch.Tensor) -> tuple[torch.Tensor]:
             samp = None
             if sampled:
-                x = packed[:, c + 2 + p:].contiguous()
-                f = x.view(torch.float32)
-                samp = [f[:, 0], x[:, 1].long(), f[:, 2], f[:, 3], x[:, 4].long(),
-                        x[:, 5].bool(), width]
+                x = packed[:, c + 2 + p:]
+                samp = [*sampling_batch.unpack(x[:, :-1]), x[:, -1].bool(), width]
             out = self.fn(packed[:, :c].long(), packed[:, c].contiguous(),
                           packed[:, c + 1].contiguous(), packed[:, c + 2:c + 2 + p].contiguous(),
                           *extras, sampling=samp, depth=depth)
@@ -119,15 +118,15 @@ class DraftGraphs:
             self._graph(bucket(max_batch), self.buckets.min_pages, sampled, width, depth)
 
 
-SAMPLING_COLS = 6       # a sampled step's columns a row: T, top_k, top_p, min_p, seed, rejection
+SAMPLING_COLS = sampling_batch.WIDTH + 1     # a sampled step's columns: the rows' sampling
+                                             # columns, then the rejection flag
 
 
-def per_row(params: list[SamplingParams], rejection: list[bool]) -> torch.Tensor:
-    """A sampled step's host columns [B, SAMPLING_COLS] int32 (floats as their bits)."""
-    f = np.array([[x.temperature, x.top_p, x.min_p] for x in params], dtype=np.float32)
-    i = np.array([[x.top_k, x.seed, r] for x, r in zip(params, rejection)], dtype=np.int32)
-    f = f.view(np.int32)
-    return torch.from_numpy(np.stack([f[:, 0], i[:, 0], f[:, 1], f[:, 2], i[:, 1], i[:, 2]], 1))
+def per_row(rows: SamplingBatch, rejection: list[bool], b: int) -> torch.Tensor:
+    """A sampled step's host columns [b, SAMPLING_COLS] int32 (padding rows greedy)."""
+    flags = np.zeros((b, 1), dtype=np.int32)
+    flags[:len(rejection), 0] = rejection
+    return torch.from_numpy(np.concatenate([rows.pack(b), flags], 1))
 
 
 def pack(out: tuple[torch.Tensor, ...]) -> torch.Tensor:

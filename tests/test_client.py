@@ -40,7 +40,8 @@ def test_stream_yields_each_step_and_finishes_with_stats(addr):
     assert [ch.finish_reason for ch in chunks] == [None, None, "length"]
     assert chunks[0].stats is None
     assert chunks[-1].stats == {"steps": 3, "draft_tokens": 12, "accepted_tokens": 3,
-                                "fallback_steps": 0, "prompt_tokens": 2,
+                                "fallback_steps": 0, "planned_plain_steps": 0,
+                                "prompt_tokens": 2,
                                 "completion_tokens": 6}
 
 
@@ -72,11 +73,19 @@ def test_text_deltas_concatenate(fake, addr):
         assert c.generate(prompt="x", max_tokens=6).text == "<1><2><3><4><5><6>"
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(prompt="a", prompt_ids=[1]),
-                                dict(prompt_ids=[1], max_tokens=0)])
-def test_bad_arguments_are_value_errors(kw):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kw, says", [
+    (dict(), "exactly one"), (dict(prompt="a", prompt_ids=[1]), "exactly one"),
+    (dict(prompt_ids=[1], max_tokens=0), "max_tokens"),
+    (dict(prompt_ids=[1], max_tokens=1 << 31), "max_tokens"),
+    (dict(prompt_ids=[1, 1 << 31]), "prompt_ids"), (dict(prompt_ids=[-1]), "prompt_ids"),
+    (dict(prompt_ids=["7"]), "prompt_ids"), (dict(prompt_ids=[1], stop_token_ids=[1 << 31]),
+                                             "stop_token_ids"),
+    (dict(prompt_ids=[1], top_k=1 << 31), "top_k"), (dict(prompt_ids=[1], seed=-1), "seed"),
+    (dict(prompt_ids=[1], temperature="hot"), "temperature")])
+def test_what_the_message_cannot_carry_is_invalid_argument(kw, says):
+    with pytest.raises(TreespecError) as err:
         build_request(**kw)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and says in err.value.details
 
 
 def test_server_error_carries_code_and_details(addr):

@@ -11,7 +11,7 @@ from treespec.common.runtime.kv_cache import SeqPages
 from treespec.common.model.qwen3 import Qwen3Model
 from treespec.kernels import reference as ops
 from treespec.common.spec.tree import TreeBatch
-from treespec.verify_service.verifier import Verifier
+from treespec.verify_service.verifier import Verifier, VerifyBatch
 
 
 def test_mismatched_shape_or_dtype_is_refused():
@@ -66,9 +66,9 @@ def test_batched_fixed_step_equals_each_sequence_alone(target_dir):
         v = Verifier(model, model.new_cache(64, 4), ops, capture=False)
         pages = [SeqPages() for _ in rows]
         assert v.prefill(pages, [prompts[r] for r in rows])[0] == [firsts[r] for r in rows]
-        res = v.step(pages, [firsts[r] for r in rows],
-                     TreeBatch(tokens[rows], parents[rows]), depth=3)
-        res2 = v.step(pages, res.bonus, None, depth=0)
+        res = v.step(VerifyBatch(pages, [firsts[r] for r in rows],
+                                 TreeBatch(tokens[rows], parents[rows]), depth=3))
+        res2 = v.step(VerifyBatch(pages, res.bonus))
         return v, (res.accepted, res.bonus, res2.bonus, [p.kv_len for p in pages])
 
     v, together = run([0, 1, 2])
@@ -94,7 +94,7 @@ def test_warm_up_and_first_captures_cover_every_batch_bucket_to_max_batch(target
     first, _ = v.prefill(pages, [[1, 5, 9]])
     tree = TreeBatch(torch.tensor([[first[0], 3]], dtype=torch.int32),
                      torch.tensor([[-1, 0]], dtype=torch.int32))
-    v.step(pages, first, tree, depth=2)
+    v.step(VerifyBatch(pages, first, tree, depth=2))
     assert v.buckets.batches((2, (), 0, 0, 0)) == want
     assert len(v.buckets.graphs) == 4 * len(want)
 

@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 # all padding), "syncing" (the draft was still being sent its hidden states),
 # "no_hidden_states" (admitted before a drafter that reads them connected) and
 # "draft_max_model_len" (longer than the draft takes, by its handshake);
-# "off_by_controller": the speculation budget (verify_service/controller.py) was 0
+# "off_by_controller": the speculation budget (verify_service/controller.py) was 0, a
+# planned plain step rather than a fallback; "draft_error": asking the draft raised
 Fallback = Literal["no_draft", "disconnected", "busy", "deadline", "invalid_proposal",
-                   "off_by_controller"]
+                   "draft_error", "off_by_controller"]
 
 
 @dataclass

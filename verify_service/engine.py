@@ -20,20 +20,19 @@ import logging
 import time
 from collections import Counter, deque
 
-import numpy as np
 
 from treespec.common.spec import sampling
 from treespec.common.serving.aio import cancel_and_wait
 from treespec.common.serving.errors import InvalidRequest, Overloaded, Unavailable
 from treespec.common.model.qwen3 import Qwen3Model
 from treespec.common.runtime.row_buffer import RowBuffer
-from treespec.common.runtime.graph_buckets import bucket
-from treespec.common.spec.tree import TreeBatch, budget_nodes, cut_depth, validate_tree
 from treespec.kernels.dispatch import select
-from treespec.verify_service.controller import Controller, Plan
-from treespec.verify_service.drafter import Drafted, Drafter
-from treespec.verify_service.observer import EngineObserver, NullObserver, step_record
+from treespec.verify_service.controller import Controller
+from treespec.verify_service.drafter import Drafter
+from treespec.verify_service.observer import (PLANNED_PLAIN, CommittedRow, EngineObserver,
+                                              NullObserver, step_record)
 from treespec.verify_service.request import GenRequest, check_request
+from treespec.verify_service.scheduler import ScheduledStep, StepScheduler
 from treespec.verify_service.sequence import Sequence
 from treespec.verify_service.step_runner import StepRunner
 from treespec.verify_service.verifier import StepResult, Verifier
@@ -56,6 +55,8 @@ class VerifyEngine:
         self.max_model_len = max_model_len or model.spec.max_position
         self.prefill_tokens, self.link = prefill_tokens, link
         self.controller = Controller(speculation)      # how much each step speculates
+        self.scheduler = StepScheduler(self.verifier, self.controller, link,
+                                       model.spec.vocab_size)
         self.sampling_defaults = sampling_defaults or {}   # for fields a request leaves unset
         self.observer: EngineObserver = observer or NullObserver()
         self.waiting: deque[Sequence] = deque()
@@ -224,127 +225,82 @@ class VerifyEngine:
             log.warning("a request waits: %s (%d times so far); %s raises the limit", why,
                         self.limits[flag], flag)
 
-    async def _draft(self, seqs: list[Sequence]) -> tuple[Drafted, Plan]:
-        """The step's trees for the sequences the controller asks (plan.rows: their rows in
-        seqs), or why none. A drafter of hidden states serves the sequences it saw admitted."""
-        needs = bool(self.verifier.capture_layers)
-        rows = [i for i, s in enumerate(seqs)
-                if s.speculative and (s.hidden is not None or not needs)
-                and not self._past_draft_limit(s)]
-        if not rows:
-            return Drafted(None), Plan(0, [])
-        if self.link is None or not self.link.ready:
-            return (Drafted(None, "no_draft" if self.link is None else "disconnected"),
-                    Plan(0, rows))
-        self.controller.charge(bucket(len(seqs)), *self.link.take_unwaited())
-        plan = self.controller.plan(self.link.info, [s.seq_id for s in seqs], rows,
-                                    bucket(len(seqs)))
-        if not plan.depth:
-            return Drafted(None, "off_by_controller"), plan
-        rows = plan.rows
-        got = await self.link.propose([seqs[i] for i in rows], self.observer.draft_context(),
-                                      plan.depth, plan.cost_s)
-        if got.trees is not None:
-            t = got.trees
-            why = "wrong number of rows" if len(t) != len(rows) else validate_tree(
-                t.tokens, t.parents, self.link.info.envelope.num_nodes, self.spec.vocab_size,
-                t.q_ids, t.q_probs)
-            if why is not None:
-                log.warning("dropping an invalid proposal: %s", why)
-                return Drafted(None, "invalid_proposal", got.step_id, got.stamps,
-                               hidden_bytes=got.hidden_bytes), plan
-        return got, plan
-
     async def _step(self) -> None:
+        """One decode step: schedule -> run -> postprocess."""
         seqs = [s for s in self.running if s.finish is None and not s.cancelled]
         if not seqs:
             return
-        t0 = time.time_ns()
         self.observer.step_started(seqs)
-        drafted, plan = await self._draft(seqs)
-        t1 = time.time_ns()
-        trees, index = None, None
-        if drafted.trees is not None and any(drafted.trees.num_valid()):   # else: plain graph
-            env = self.link.info.envelope
-            trees, index = cut_depth(drafted.trees.scatter(plan.rows, len(seqs)), plan.depth,
-                                     budget_nodes(env, plan.depth))
-            self.verifier.siblings = env.topk
-        captures = self.verifier.buckets.captures
-        res = await self.runner.step([s.pages for s in seqs], [s.tokens[-1] for s in seqs],
-                                     trees, plan.depth if trees is not None else 0,
-                                     [s.sampling for s in seqs])
-        t2 = time.time_ns()
-        syncing = {plan.rows[j] for j in drafted.syncing}
-        asked, resting = set(plan.rows), set(plan.resting)
-        why = {s.seq_id: "syncing" if i in syncing else drafted.fallback or "empty_tree"
-               if i in asked else "off_by_controller" if i in resting else self._unasked(s)
-               for i, s in enumerate(seqs) if s.speculative}
-        done = self._commit(seqs, trees, res, why, index)
-        # waited for, nothing usable came (too slow for the deadline, or broken): 0 accepted
-        failed = drafted.fallback in ("deadline", "invalid_proposal")
-        if drafted.fallback in (None, "off_by_controller") or failed:
-            self.controller.observe(
-                plan, [s.seq_id for s in seqs], [0 if failed else -1 if i in syncing
-                                                 else len(res.accepted[i]) for i in plan.rows],
-                bucket(len(seqs)), None if self.verifier.buckets.captures != captures or
-                drafted.catch_up and trees is None else (time.time_ns() - t0) * 1e-9,
-                drafted.catch_up, drafted.fresh)
+        step = await self.scheduler.schedule(seqs, self.observer)   # rows, plan, trees
+        result = await self.runner.step(step.batch)     # one target forward, accept, commit KV
+        self._postprocess(step, result)                 # stream, count, teach the controller
+
+    def _postprocess(self, step: ScheduledStep, result: StepResult) -> None:
+        t_verified = time.time_ns()
+        rows = self._commit(step, result)
+        self._teach_controller(step, result)
         if isinstance(self.observer, NullObserver):
             return                       # telemetry off: not even a record is built
-        self._observe_step(drafted, len(seqs), done, why, trees is not None, t0, t1, t2, plan)
+        envelope = self.link.info.envelope if step.batch.trees is not None else None
+        self.observer.step_finished(step_record(
+            step.drafted, step.plan, len(step.seqs), rows, step.fallback, envelope,
+            (step.t_start, step.t_drafted, t_verified, time.time_ns())))
+        for row in rows:
+            if row.seq.finish is not None:
+                self.observer.finished(row.seq)
 
-    def _past_draft_limit(self, s: Sequence) -> bool:
-        """Whether s (with a tree's worth more) is longer than the draft takes."""
-        info = self.link.info if self.link is not None else None
-        return bool(info and info.max_model_len
-                    and len(s.tokens) > info.max_model_len - info.envelope.depth - 1)
-
-    def _unasked(self, s: Sequence) -> str:
-        """Why a speculating sequence was not asked for a tree."""
-        return "draft_max_model_len" if self._past_draft_limit(s) else "no_hidden_states"
-
-    def _commit(self, seqs: list[Sequence], trees: TreeBatch | None, res: StepResult,
-                why: dict[int, str], index: np.ndarray | None
-                ) -> list[tuple[Sequence, int, int, int, int]]:
-        """Commit each sequence's accepted path and bonus token and stream them;
-        returns (seq, drafted, depth, accepted, committed) per sequence still running.
-        why: the reason a speculating sequence ran as plain decode, if it did; index:
-        the draft's node index of each verified node (treespec.common.spec.tree.cut_depth)."""
-        done: list[tuple[Sequence, int, int, int, int]] = []
-        tok_l = trees.tokens.tolist() if trees is not None else None
-        offered_l = trees.num_valid() if trees is not None else [0] * len(seqs)
-        for i, s in enumerate(seqs):
+    def _commit(self, step: ScheduledStep, result: StepResult) -> list[CommittedRow]:
+        """Commit each sequence's accepted path and bonus token and stream them; returns
+        a row per sequence still running."""
+        trees = step.batch.trees
+        tokens = trees.tokens.tolist() if trees is not None else None
+        offered = trees.num_valid() if trees is not None else [0] * len(step.seqs)
+        rows: list[CommittedRow] = []
+        for i, s in enumerate(step.seqs):
             if s.cancelled:
                 continue
-            path, offered = res.accepted[i], offered_l[i]
-            kept = s.commit([tok_l[i][j] for j in path] + [res.bonus[i]])
+            path = result.accepted[i]
+            kept = s.commit([tokens[i][j] for j in path] + [result.bonus[i]])
             s.stats.steps += 1
-            s.stats.draft_tokens += offered
+            s.stats.draft_tokens += offered[i]
             s.stats.accepted_tokens += min(len(path), len(kept))
-            if s.speculative and offered == 0:
-                s.stats.fallback_steps += 1
-                self.fallbacks[why[s.seq_id]] += 1
-                n = self.fallbacks[why[s.seq_id]]
-                if why[s.seq_id] != "off_by_controller" and (n in (1, 10, 100)
-                                                             or n % 10000 == 0):
-                    log.warning("plain decode instead of speculation (%s): %d sequence "
-                                "steps so far", why[s.seq_id], n)
-            s.accepted_path = path if index is None else index[i][path].tolist()
-            done.append((s, offered, len(path), min(len(path), len(kept)), len(kept)))
-            if res.hidden is not None and s.hidden is not None:
-                s.hidden.append(res.hidden[i])
-            elif res.hidden is None:
+            if s.speculative and offered[i] == 0:
+                self._count_plain(s, step.fallback[s.seq_id])
+            s.accepted_path = path if step.index is None else step.index[i][path].tolist()
+            rows.append(CommittedRow(s, offered[i], len(path), min(len(path), len(kept)),
+                                     len(kept)))
+            if result.hidden is not None and s.hidden is not None:
+                s.hidden.append(result.hidden[i])
+            elif result.hidden is None:
                 s.hidden = None
             s.emit(kept)
-        return done
+        return rows
 
-    def _observe_step(self, drafted: Drafted, batch: int,
-                      done: list[tuple[Sequence, int, int, int, int]], why: dict[int, str],
-                      speculated: bool, t0: int, t1: int, t2: int, plan: Plan) -> None:
-        """Tell the observer what the step did; done: _commit's rows."""
-        self.observer.step_finished(step_record(
-            drafted, plan, batch, done, why, self.link.info.envelope if speculated else None,
-            (t0, t1, t2, time.time_ns())))
-        for s, *_ in done:
-            if s.finish is not None:
-                self.observer.finished(s)
+    def _count_plain(self, s: Sequence, why: str) -> None:
+        """A speculating sequence's step ran plain: the controller's choice, or a fallback
+        (logged the first times, then rarely)."""
+        self.fallbacks[why] += 1
+        if why == PLANNED_PLAIN:
+            s.stats.planned_plain_steps += 1
+            return
+        s.stats.fallback_steps += 1
+        n = self.fallbacks[why]
+        if n in (1, 10, 100) or n % 10000 == 0:
+            log.warning("plain decode instead of speculation (%s): %d sequence steps so far",
+                        why, n)
+
+    def _teach_controller(self, step: ScheduledStep, result: StepResult) -> None:
+        """Tell the controller what its planned step did: each asked row's accepted length
+        (0 when the draft was waited for and nothing usable came; -1 while syncing) and
+        the step's time, unless a graph capture or a catch-up made it unlike a step."""
+        drafted, plan = step.drafted, step.plan
+        failed = drafted.fallback in ("deadline", "invalid_proposal")
+        if not (failed or drafted.fallback in (None, PLANNED_PLAIN)):
+            return                      # no draft, disconnected, busy: nothing was tried
+        syncing = {plan.rows[j] for j in drafted.syncing}
+        accepted = [0 if failed else -1 if i in syncing else len(result.accepted[i])
+                    for i in plan.rows]
+        unlike = result.captured or (drafted.catch_up and step.batch.trees is None)
+        seconds = None if unlike else (time.time_ns() - step.t_start) * 1e-9
+        self.controller.observe(plan, [s.seq_id for s in step.seqs], accepted, step.bucket,
+                                seconds, drafted.catch_up, drafted.fresh)

@@ -18,7 +18,9 @@ treespec's own (vLLM has none of these):
 
     treespec:spec_decode_accepted_length         histogram of accepted tokens per draft
     treespec:spec_decode_fallback_steps          {reason}: sequence-steps run as plain decode
-                                                 while speculating (= fallback_steps)
+                                                 against the plan (= fallback_steps)
+    treespec:spec_decode_planned_plain_steps     sequence-steps the controller chose to run
+                                                 as plain decode (= planned_plain_steps)
     treespec:sequence_steps                      decode steps summed over sequences (= steps)
     treespec:draft_hop_seconds                   Speculate round trip (send, draft, receive)
     treespec:draft_hop_part_seconds              {part}: where the hop went (observer.hop_parts):
@@ -89,6 +91,9 @@ class VerifyMetrics(EngineObserver):
         self._fallback = Counter("treespec:spec_decode_fallback_steps",
                                  "Sequence-steps run as plain decode while speculating.",
                                  [*lab, "reason"], registry=r)
+        self.planned_plain = counter("treespec:spec_decode_planned_plain_steps",
+                                     "Sequence-steps the controller chose to run as plain "
+                                     "decode.")
         self.sequence_steps = counter("treespec:sequence_steps",
                                       "Decode steps summed over sequences.")
         self.hop = seconds("treespec:draft_hop_seconds", "Speculate round trip per step.")
@@ -174,6 +179,7 @@ class VerifyMetrics(EngineObserver):
         for fallback, n in Tally(r.fallback).items():      # one labels() per reason, not
             if fallback is not None:                        # per sequence (64 at b64)
                 self._fallback.labels(self.model_name, fallback).inc(n)
+        self.planned_plain.inc(sum(r.planned_plain))
         got = [a for d, a in zip(r.drafted, r.accepted) if d]   # each sum once a step
         if got:
             self.num_drafts.inc(len(got))

@@ -44,11 +44,12 @@ class StepRecord:
     Sequences cancelled during the step committed nothing and are left out, so the
     sums over records equal what clients see in RequestStats: drafted ->
     draft_tokens, accepted -> accepted_tokens, committed -> completion_tokens (less
-    the prefill token), a non-None fallback -> fallback_steps, one row -> one step.
+    the prefill token), a non-None fallback -> fallback_steps, a true planned_plain ->
+    planned_plain_steps, one row -> one step.
 
     Example: a chain4 step over seqs [7, 9] where 7 got 4 draft tokens, accepted 2
     and 9 ran without a tree: drafted [4, 0], depth [2, 0], accepted [2, 0],
-    committed [3, 1], fallback [None, "empty_tree"].
+    committed [3, 1], fallback [None, "empty_tree"], planned_plain [False, False].
     """
 
     step_id: int                     # the Speculate step id; 0 if the draft was not asked
@@ -59,7 +60,8 @@ class StepRecord:
     depth: list[int]                 # length of the accepted root-to-node path
     accepted: list[int]              # draft tokens committed (path cut at a stop), bonus excluded
     committed: list[int]             # tokens committed: accepted + bonus, cut at a stop
-    fallback: list[str | None]       # why a speculating sequence ran as plain decode
+    fallback: list[str | None]       # why a speculating sequence fell back to plain decode
+    planned_plain: list[bool]        # the controller chose plain decode for it (no fallback)
     reason: str | None               # why the step got no proposal at all (None: it got one,
                                      # or no sequence speculates)
     envelope: TreeEnvelope | None    # the draft's envelope when a proposal was used
@@ -78,6 +80,8 @@ class StepRecord:
     cost_s: float | None = None
     rest_floor: int = 0
 
+
+PLANNED_PLAIN = "off_by_controller"     # a plain step the controller chose
 
 HOP_PARTS = ("send", "wait", "read", "to_draft", "draft", "to_verify")
 
@@ -103,20 +107,37 @@ def hop_parts(t_start: int, t_drafted: int, stamps: tuple[int, int, int, int] | 
     return parts
 
 
-def step_record(drafted: Drafted, plan: Plan, batch: int,
-                done: list[tuple[Sequence, int, int, int, int]], why: dict[int, str],
-                envelope: TreeEnvelope | None, times: tuple[int, int, int, int]) -> StepRecord:
-    """The record of a step: done holds (seq, drafted, depth, accepted, committed) per
-    sequence still running; why the reason a speculating one ran plain; times t_start,
-    t_drafted, t_verified, t_end."""
-    seqs = [r[0] for r in done]
+@dataclass(frozen=True)
+class CommittedRow:
+    """What a step did for one sequence still running after it."""
+
+    seq: Sequence
+    drafted: int        # valid draft nodes offered to the target
+    depth: int          # length of the accepted root-to-node path
+    accepted: int       # draft tokens committed (the path cut at a stop)
+    committed: int      # tokens committed: accepted + bonus, cut at a stop
+
+    @property
+    def plain(self) -> bool:
+        """A speculating sequence that ran as plain decode."""
+        return self.seq.speculative and self.drafted == 0
+
+
+def step_record(drafted: Drafted, plan: Plan, batch: int, rows: list[CommittedRow],
+                why: dict[int, str], envelope: TreeEnvelope | None,
+                times: tuple[int, int, int, int]) -> StepRecord:
+    """The record of a step: rows, one per sequence still running; why the reason a
+    speculating one ran plain ("off_by_controller": planned, not a fallback); times
+    t_start, t_drafted, t_verified, t_end."""
     t0, t1, t2, t3 = times
+    reasons = [why[r.seq.seq_id] if r.plain else None for r in rows]
     return StepRecord(
         step_id=drafted.step_id, batch=batch,
-        seq_ids=[s.seq_id for s in seqs], request_ids=[s.req.request_id for s in seqs],
-        drafted=[r[1] for r in done], depth=[r[2] for r in done],
-        accepted=[r[3] for r in done], committed=[r[4] for r in done],
-        fallback=[why[s.seq_id] if s.speculative and d == 0 else None for s, d, *_ in done],
+        seq_ids=[r.seq.seq_id for r in rows], request_ids=[r.seq.req.request_id for r in rows],
+        drafted=[r.drafted for r in rows], depth=[r.depth for r in rows],
+        accepted=[r.accepted for r in rows], committed=[r.committed for r in rows],
+        fallback=[None if w == PLANNED_PLAIN else w for w in reasons],
+        planned_plain=[w == PLANNED_PLAIN for w in reasons],
         reason=drafted.fallback, envelope=envelope, t_start=t0, t_drafted=t1, t_verified=t2,
         t_end=t3, hop_parts=hop_parts(t0, t1, drafted.stamps) if drafted.step_id else {},
         hidden_bytes=drafted.hidden_bytes, budget=plan.depth, expected=plan.expected,

@@ -45,6 +45,7 @@ class Stats:
     draft_tokens: int = 0      # valid draft nodes offered to the target
     accepted_tokens: int = 0   # accepted draft tokens, bonus tokens excluded
     fallback_steps: int = 0    # steps with no usable proposal while speculating
+    planned_plain_steps: int = 0   # steps the speculation controller chose to run plain
 
 
 @dataclass

@@ -4,8 +4,7 @@ Prefill and graph captures run in the worker thread (they take long enough to
 stall the loop). With busy polling (by default on CUDA) a step whose graph is
 already captured is launched from the event loop, which then polls the device's
 completion event without sleeping: a thread woken when the GPU answers costs
-tens of microseconds to a millisecond on every step's critical path (+6.7 % tok/s
-with the draft model at batch 1 on the H200: bench/NOTES.md, ninth session).
+tens of microseconds to a millisecond on every step's critical path.
 """
 
 from __future__ import annotations
@@ -14,10 +13,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from treespec.common.serving.aio import spin_until
-from treespec.common.runtime.kv_cache import SeqPages
-from treespec.common.spec.sampling import SamplingParams
-from treespec.common.spec.tree import TreeBatch
-from treespec.verify_service.verifier import StepResult, Verifier
+from treespec.verify_service.verifier import StepResult, Verifier, VerifyBatch
 
 
 class StepRunner:
@@ -30,13 +26,12 @@ class StepRunner:
         """fn(*args) in the worker thread."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def step(self, pages: list[SeqPages], roots: list[int], trees: TreeBatch | None,
-                   depth: int, params: list[SamplingParams]) -> StepResult:
+    async def step(self, batch: VerifyBatch) -> StepResult:
         """verifier.step, launched from the loop and polled when busy polling and its
         graph is captured (a capture takes seconds: that one runs in the worker)."""
-        if not (self.busy_poll and self.verifier.captured(pages, trees, params)):
-            return await self.compute(self.verifier.step, pages, roots, trees, depth, params)
-        pending = self.verifier.launch(pages, roots, trees, depth, params)
+        if not (self.busy_poll and self.verifier.has_graph(batch)):
+            return await self.compute(self.verifier.step, batch)
+        pending = self.verifier.launch(batch)
         await spin_until(pending.ready)
         return self.verifier.finish(pending)
 

@@ -17,10 +17,10 @@ what was accepted; the engine owns the bookkeeping (terms: common/spec/accept.py
 
 from __future__ import annotations
 
-import struct
 import time
 from dataclasses import dataclass
 from types import ModuleType
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,10 +29,38 @@ from treespec.common.runtime.forward_batch import build_forward_batch, chain_chu
 from treespec.common.runtime.graph_buckets import MIN_PAGES, BucketedGraphs, bucket
 from treespec.common.runtime.kv_cache import PagedKVCache, SeqPages
 from treespec.common.model.qwen3 import Qwen3Model
-from treespec.common.spec.sampling import (GREEDY, TOPK_FIRST, SamplingParams, as_tensors, draw,
-                             filter_width)
+from treespec.common.spec import sampling_batch
+from treespec.common.spec.sampling import TOPK_FIRST, SamplingParams, as_tensors, draw
+from treespec.common.spec.sampling_batch import SamplingBatch
 from treespec.common.spec.tree import PAD, TreeBatch
 from treespec.verify_service.device_step import fixed_step
+
+
+@dataclass(frozen=True)
+class VerifyBatch:
+    """What one step verifies: row r is sequence r's root (its last committed token,
+    whose KV is not yet written) and its tree, drawn as its sampling row says."""
+
+    pages: list[SeqPages]
+    roots: list[int]
+    trees: TreeBatch | None = None      # [B, N] (None: plain decode, the roots alone)
+    depth: int = 0                      # the longest path the accept walk may take
+    sampling: SamplingBatch | None = None   # None: every row greedy
+    siblings: int = 1                   # children per node rejection sampling tries (topk)
+
+    @property
+    def num_nodes(self) -> int:
+        return 0 if self.trees is None else self.trees.tokens.shape[1]
+
+
+class StepFamily(NamedTuple):
+    """What a step graph is captured for, besides its batch and page buckets."""
+
+    nodes: int                  # tree width N (0: plain decode)
+    layers: tuple[int, ...]     # target layers whose hidden states it returns
+    width: int                  # how it draws (SamplingBatch.width; 0: no row draws)
+    q: int = 0                  # rejection sampling: q's width (0: no row has q)
+    siblings: int = 0           # ... and the children per node it tries
 
 
 @dataclass
@@ -42,6 +70,7 @@ class StepResult:
     # per sequence, when capturing: target hidden states [1 + len(path), C] of the
     # root and the accepted nodes (device tensors), C = layers * hidden
     hidden: list[torch.Tensor] | None = None
+    captured: bool = False      # the step captured a graph (its time is not a step's)
 
 
 @dataclass
@@ -52,6 +81,7 @@ class PendingStep:
     host: torch.Tensor
     done: torch.cuda.Event | None
     path: torch.Tensor | None
+    captured: bool = False
 
     def ready(self) -> bool:
         return self.done is None or self.done.query()
@@ -64,7 +94,6 @@ class Verifier:
                  capture: bool = True, max_batch: int = 1) -> None:
         self.model, self.cache, self.ops = model, cache, ops
         self.capture_layers: tuple[int, ...] = ()   # target layers a drafter reads
-        self.siblings = 1           # children per node rejection sampling tries (topk)
         self.budgets: list[tuple[int, int]] = []   # (tree width, depth) the controller uses
         on_gpu = capture and cache.device.type == "cuda"
         self.buckets = BucketedGraphs(cache, capture, MIN_PAGES if on_gpu else 1, max_batch)
@@ -78,9 +107,9 @@ class Verifier:
         (nor a batch on a budget's first non-empty tree); the seconds taken."""
         t0 = time.perf_counter()
         gb = self.buckets
-        for family, depth in [((0, self.capture_layers, width, 0, 0), 0)
-                              for width in (0, TOPK_FIRST, -1)] + \
-                [((w, self.capture_layers, 0, 0, 0), d) for w, d in self.budgets]:
+        layers = self.capture_layers
+        for family, depth in [(StepFamily(0, layers, width), 0) for width in (0, TOPK_FIRST, -1)] \
+                + [(StepFamily(w, layers, 0), d) for w, d in self.budgets]:
             self._graph(family, depth, bucket(gb.max_batch), gb.min_pages)
         return time.perf_counter() - t0
 
@@ -115,29 +144,24 @@ class Verifier:
         cu = fb.cu_q.tolist()
         return nxt, [feats[cu[i]:cu[i + 1]] for i in range(len(prompts))]
 
-    def step(self, pages: list[SeqPages], roots: list[int], trees: TreeBatch | None,
-             depth: int, params: list[SamplingParams] | None = None) -> StepResult:
-        """Verify one tree per sequence (None: plain decode), each drawing as its
-        params say (None: every one greedy); blocks until done."""
-        return self.finish(self.launch(pages, roots, trees, depth, params))
+    def step(self, batch: VerifyBatch) -> StepResult:
+        """Verify one tree per sequence (or decode plain); blocks until done."""
+        return self.finish(self.launch(batch))
 
-    def captured(self, pages: list[SeqPages], trees: TreeBatch | None,
-                 params: list[SamplingParams] | None = None) -> bool:
-        """Whether a step of these sequences with these trees has its graph already
-        (reserves the step's slots, as the step would)."""
-        n = 0 if trees is None else trees.tokens.shape[1]
-        self._reserve(pages, n)
-        b, p = self.buckets.buckets(pages)
-        return (self._family(n, params, trees), b, p) in self.buckets.graphs
+    def has_graph(self, batch: VerifyBatch) -> bool:
+        """Whether this step's graph is captured already (reserves the step's slots,
+        as the step would)."""
+        self._reserve(batch.pages, batch.num_nodes)
+        b, p = self.buckets.buckets(batch.pages)
+        return (self._family(batch), b, p) in self.buckets.graphs
 
-    def _family(self, n: int, params: list[SamplingParams] | None,
-                trees: TreeBatch | None) -> tuple:
-        """A step graph's family: tree size, captured layers, how it draws
-        (treespec.common.spec.sampling.filter_width: 0 it does not), and for rejection sampling q's
-        width and the siblings tried per node."""
-        sampled = filter_width(params)
-        q = trees.q_ids.shape[2] if sampled and n and trees.q_ids is not None else 0
-        return n, self.capture_layers, sampled, q, self.siblings if q else 0
+    def _family(self, batch: VerifyBatch) -> StepFamily:
+        width = batch.sampling.width if batch.sampling is not None else 0
+        trees = batch.trees
+        q = trees.q_ids.shape[2] if width and trees is not None and trees.q_ids is not None \
+            else 0
+        return StepFamily(batch.num_nodes, self.capture_layers, width, q,
+                          batch.siblings if q else 0)
 
     def _reserve(self, pages: list[SeqPages], n: int) -> None:
         """Slots for [root, n nodes] past each committed length (idempotent)."""
@@ -145,46 +169,43 @@ class Verifier:
             self.cache.reserve(sp, sp.kv_len + n + 1)
 
     @torch.inference_mode()
-    def launch(self, pages: list[SeqPages], roots: list[int], trees: TreeBatch | None,
-               depth: int, params: list[SamplingParams] | None = None) -> PendingStep:
+    def launch(self, batch: VerifyBatch) -> PendingStep:
         """Queue the step and the readback of its results on the device; returns at
         once. ``finish(pending)`` completes it (blocks until the device is done). A
         step where every row is greedy runs a graph without the draw."""
-        n = 0 if trees is None else trees.tokens.shape[1]
+        n, pages = batch.num_nodes, batch.pages
         self._reserve(pages, n)
         gb = self.buckets
+        captures = gb.captures
         b, p = gb.buckets(pages)
-        family = self._family(n, params, trees)
+        family = self._family(batch)
         if n and (family, b, p) not in gb.graphs:
             # a budget's first step here: every budget's graph now, so that the
             # controller trying another later stalls no step on a capture
             for w, d in self.budgets:
                 if w != n:
-                    self._graph((w, *family[1:]), d, b, p)
-        graph = self._graph(family, depth if n else 0, b, p)
-        sampled, q = family[2:4]
-        out, *path = graph(pack_inputs(roots, [sp.kv_len for sp in pages], trees,
-                                       [sp.pages for sp in pages], b, p, gb.scratch,
-                                       params if sampled else None, q))
+                    self._graph(family._replace(nodes=w), d, b, p)
+        graph = self._graph(family, batch.depth if n else 0, b, p)
+        out, *path = graph(pack_inputs(batch, b, p, gb.scratch, family))
         host, done = self._readback(out)
-        return PendingStep(pages, host, done, path[0] if path else None)
+        return PendingStep(pages, host, done, path[0] if path else None,
+                           gb.captures != captures)
 
-    def _graph(self, family: tuple, walk: int, b: int, p: int):
-        """The step graph of this family (_family) accepting paths up to walk deep."""
-        n, cap, sampled, q, siblings = family
-        gb, dev = self.buckets, self.cache.device
+    def _graph(self, family: StepFamily, walk: int, b: int, p: int):
+        """The step graph of this family accepting paths up to walk deep."""
+        gb, dev, n = self.buckets, self.cache.device, family.nodes
 
         def example(bb: int) -> list[torch.Tensor]:
             pad = None if n == 0 else TreeBatch.padding(bb, n)
-            if q:
-                pad.q_ids = torch.zeros((bb, n, q), dtype=torch.int32)
-                pad.q_probs = torch.zeros((bb, n, q))
-            return [pack_inputs([0] * bb, [0] * bb, pad, [[]] * bb, bb, p, gb.scratch,
-                                [GREEDY] * bb if sampled else None, q).to(dev)]
+            if family.q:
+                pad.q_ids = torch.zeros((bb, n, family.q), dtype=torch.int32)
+                pad.q_probs = torch.zeros((bb, n, family.q))
+            return [pack_inputs(VerifyBatch([SeqPages()] * bb, [0] * bb, pad,
+                                             sampling=SamplingBatch.greedy(bb)),
+                                bb, p, gb.scratch, family).to(dev)]
 
         def fn(packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return packed_step(self.model, self.cache, self.ops, walk, cap, n, sampled, packed,
-                               q, siblings)
+            return packed_step(self.model, self.cache, self.ops, walk, family, packed)
 
         return gb.get(family, b, p, example, fn)
 
@@ -218,31 +239,24 @@ class Verifier:
             path = pending.path[:len(nums), :1 + max(nums, default=0)].clone()
             rows = [path[i, :1 + k] for i, k in enumerate(nums)]
         return StepResult([res[i][:nums[i]] for i in range(len(nums))],
-                          [res[i][d + 1] for i in range(len(nums))], rows)
+                          [res[i][d + 1] for i in range(len(nums))], rows, pending.captured)
 
 
-def _bits(x: float) -> int:
-    """A float32's bits as an int32 (sampling parameters travel in the int32 pack)."""
-    return struct.unpack("<i", struct.pack("<f", x))[0]
-
-
-def pack_inputs(roots: list[int], ctx: list[int], trees: TreeBatch | None,
-                tables: list[list[int]], b: int, p: int, scratch: int,
-                params: list[SamplingParams] | None = None, q: int = 0) -> torch.Tensor:
-    """One [b, 2 (+ 5) + 2N (+ 2NQ) + p] int32 host tensor: root, committed KV length,
-    (when drawing: temperature, top_k, top_p, min_p, seed), tree tokens, tree parents,
-    (for rejection sampling, q wide: q ids, q probabilities' bits), page table. Rows
-    past len(roots) (and page-table tails) are padding on the scratch page; one tensor
-    means one upload per step."""
-    n = 0 if trees is None else trees.tokens.shape[1]
-    r, at = len(roots), 7 if params is not None else 2
+def pack_inputs(batch: VerifyBatch, b: int, p: int, scratch: int,
+                family: StepFamily) -> torch.Tensor:
+    """One [b, 2 (+ S) + 2N (+ 2NQ) + p] int32 host tensor: root, committed KV length,
+    (when the family draws: the sampling columns, treespec.common.spec.sampling_batch),
+    tree tokens, tree parents, (for rejection sampling, Q wide: q ids, q probabilities'
+    bits), page table. Rows past the batch's (and page-table tails) are padding on the
+    scratch page; one tensor means one upload per step."""
+    n, q, trees = family.nodes, family.q, batch.trees
+    r = len(batch.roots)
+    at = 2 + sampling_batch.WIDTH if family.width else 2
     # in numpy: as Python lists, a b64 step's 16k ints were the most of its host time
     out = np.zeros((b, at + 2 * n + 2 * n * q + p), dtype=np.int32)
-    out[:r, 0], out[:r, 1] = roots, ctx
-    if params is not None:
-        out[:, 2:7] = [_bits(0.0), 0, _bits(1.0), _bits(0.0), 0]        # padding rows: greedy
-        out[:r, 2:7] = [[_bits(x.temperature), x.top_k, _bits(x.top_p), _bits(x.min_p),
-                         x.seed] for x in params]
+    out[:r, 0], out[:r, 1] = batch.roots, [sp.kv_len for sp in batch.pages]
+    if family.width:
+        out[:, 2:at] = batch.sampling.pack(b)
     if n:
         out[:r, at:at + n] = trees.tokens.numpy()
         out[:, at + n:at + 2 * n] = PAD
@@ -253,34 +267,31 @@ def pack_inputs(roots: list[int], ctx: list[int], trees: TreeBatch | None,
             trees.q_probs.float().view(torch.int32).reshape(-1, n * q).numpy())
     table = out[:, out.shape[1] - p:]
     table[:] = scratch
-    for i, pages in enumerate(tables):
-        table[i, :len(pages)] = pages
+    for i, sp in enumerate(batch.pages):
+        table[i, :len(sp.pages)] = sp.pages
     return torch.from_numpy(out)
 
 
 def packed_step(model: Qwen3Model, cache: PagedKVCache, ops: ModuleType, depth: int,
-                capture: tuple[int, ...], n: int, sampled: int, packed: torch.Tensor,
-                q: int = 0, siblings: int = 0) -> tuple[torch.Tensor, ...]:
+                family: StepFamily, packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """fixed_step on pack_inputs' layout; returns [B, depth + 2] int64 (accepted
     nodes padded -1, number accepted, bonus token) and, when capturing, the path's
-    hidden states: one tensor to read back. sampled: filter_width (0: no row draws)."""
+    hidden states: one tensor to read back."""
+    n, q = family.nodes, family.q
     roots, ctx = packed[:, 0].long(), packed[:, 1].contiguous()
-    sampling = None
-    if sampled:
-        f = packed[:, 2:7].contiguous().view(torch.float32)            # the same bits
-        sampling = [f[:, 0], packed[:, 3].long(), f[:, 2], f[:, 3], packed[:, 6].long()]
-    at = 7 if sampled else 2
+    at = 2 + sampling_batch.WIDTH if family.width else 2
+    sampling = sampling_batch.unpack(packed[:, 2:at]) if family.width else None
     tokens, parents = packed[:, at:at + n].contiguous(), packed[:, at + n:at + 2 * n].contiguous()
     at += 2 * n
     rejection = None
     if q:
         q_ids = packed[:, at:at + n * q].reshape(-1, n, q)
         q_probs = packed[:, at + n * q:at + 2 * n * q].contiguous().view(torch.float32)
-        rejection = (q_ids, q_probs.reshape(-1, n, q), siblings)
+        rejection = (q_ids, q_probs.reshape(-1, n, q), family.siblings)
         at += 2 * n * q
     table = packed[:, at:].contiguous()
-    accepted, num, bonus, *path = fixed_step(model, cache, ops, depth, capture, roots, tokens,
-                                             parents, ctx, table, sampling, rejection,
-                                             sampled)
+    accepted, num, bonus, *path = fixed_step(model, cache, ops, depth, family.layers, roots,
+                                             tokens, parents, ctx, table, sampling, rejection,
+                                             family.width)
     out = torch.cat([accepted.long(), num.long().unsqueeze(1), bonus.long().unsqueeze(1)], 1)
     return (out, *path)
