@@ -4,6 +4,7 @@
     treespec verify ...             verify_service/cli.py
     treespec generate | health ...  common/client/cli.py
     treespec demo ...               common/client/demo.py
+    treespec openai ...             common/openai/cli.py
 
 Each owner adds its flags to the subcommand's parser and runs it; the argument
 helpers both services use and the one place a server module is started
@@ -33,6 +34,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                "exit 0 when a service's gRPC health says SERVING"),
     "demo": ("treespec.common.client.demo", "add_arguments", "run_demo",
              "start both services locally and compare with plain decode"),
+    "openai": ("treespec.common.openai.cli", "add_arguments", "run",
+               "serve an OpenAI-compatible HTTP API in front of a verify service"),
 }
 
 
