@@ -113,14 +113,26 @@ def check_model(name: str | None) -> None:
 
 
 def run_server(module: str, cfg) -> None:
-    """Blocks in `module.run(cfg)`, which prints `listening on HOST:PORT` once bound."""
+    """Blocks in `module.run(cfg)`, which prints `listening on HOST:PORT` once bound.
+
+    cfg's ports are tried first (before the module loads a model): a port in use or a
+    host that is not this machine's is a ConfigError naming the flag, as is a bind
+    that fails later.
+    """
+    from treespec.common.serving.bind import BindError, check_bindable
     try:
         server = importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name not in (module, module.split(".")[0]):
             raise
         raise ConfigError(f"{module} is not part of this install") from None
-    server.run(cfg)
+    try:
+        check_bindable(cfg.host, cfg.port, "--port")
+        if cfg.metrics_port:
+            check_bindable(cfg.host, cfg.metrics_port, "--metrics-port")
+        server.run(cfg)
+    except BindError as e:
+        raise ConfigError(str(e)) from None
     # Stopped cleanly: leave without the interpreter's teardown, in which native
     # extensions (triton's nanobind bindings) print ~30 lines of "leaked" objects
     # that read like a crash. Exit handlers (trace export) and logs still run first.

@@ -54,6 +54,8 @@ class ServiceConfig:
             raise ValueError(f"port {self.port} out of range")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics port {self.metrics_port} out of range")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"--metrics-port {self.metrics_port} is --port's too")
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.server_tls                 # refuses half a pair or an unreadable file

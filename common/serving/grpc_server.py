@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from treespec.common.wire import codec
 from treespec.common.serving.auth import HANDLER_FACTORIES, AuthInterceptor
+from treespec.common.serving.bind import GRPC_OPTIONS, add_port
 from treespec.common.serving.errors import InvalidRequest, Overloaded, Unavailable
 from treespec.common.serving.tls import ServerTLS
 
@@ -132,12 +133,6 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                                      response_serializer=handler.response_serializer)
 
 
-def _bind_address(host: str, port: int) -> str:
-    if ":" in host and not host.startswith("["):
-        return f"[{host}]:{port}"
-    return f"{host}:{port}"
-
-
 async def start_server(host: str, port: int, add_servicers: Callable[[grpc.aio.Server], None],
                        service_names: list[str],
                        interceptors: list[grpc.aio.ServerInterceptor] | None = None,
@@ -153,14 +148,16 @@ async def start_server(host: str, port: int, add_servicers: Callable[[grpc.aio.S
     tls on: the port serves TLS only (mutual TLS when it names a client CA); api_keys:
     every call but health checks needs one of them (treespec.common.serving.auth); reflect: serve
     gRPC reflection; max_receive: a larger request is refused unread
-    (RESOURCE_EXHAUSTED).
+    (RESOURCE_EXHAUSTED). The port is not shared: one another socket holds raises
+    treespec.common.serving.bind.BindError.
     """
     auth = [AuthInterceptor(api_keys)] if api_keys else []
     server = grpc.aio.server(
         interceptors=[*auth, *(interceptors or ()), ErrorMappingInterceptor()],
         options=[MESSAGE_LIMITS[0], ("grpc.max_receive_message_length", max_receive),
                  ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
-                 ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS)])
+                 ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+                 *GRPC_OPTIONS])
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -168,12 +165,7 @@ async def start_server(host: str, port: int, add_servicers: Callable[[grpc.aio.S
     if reflect:
         reflection.enable_server_reflection(
             [*service_names, health_name, reflection.SERVICE_NAME], server)
-    creds = tls.credentials() if tls is not None else None
-    addr = _bind_address(host, port)
-    bound = (server.add_secure_port(addr, creds) if creds is not None
-             else server.add_insecure_port(addr))
-    if bound == 0:
-        raise OSError(f"could not bind {_bind_address(host, port)}")
+    bound = add_port(server, host, port, tls.credentials() if tls is not None else None)
     for name in ("", *service_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     _health_of[server] = health_servicer

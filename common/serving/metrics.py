@@ -17,6 +17,8 @@ import logging
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from treespec.common.serving.bind import BindError, check_bindable
+
 log = logging.getLogger("treespec.metrics")
 
 # Seconds; a step on an H200 is ~5-40 ms, a CPU test step ~1-100 ms.
@@ -28,7 +30,14 @@ class MetricsServer:
     """prometheus-client's HTTP exposition of one registry, in a daemon thread."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        """BindError (naming --metrics-port) when host:port cannot be bound; the port is
+        never shared (http.server sets SO_REUSEADDR only)."""
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as e:
+            check_bindable(host, port, "--metrics-port")
+            raise BindError(f"--metrics-port {port}: cannot bind {host}:{port} "
+                            f"({e.strerror or e})") from None
         self.host = host
         self.port: int = self._server.server_port
         log.info("metrics on http://%s:%d/metrics", host, self.port)

@@ -7,10 +7,17 @@ certificate signed by that CA. A client with ``ca`` (or ``cert`` and ``key`` alo
 the system's roots) speaks TLS and checks the server's certificate against the
 address it dials, so a certificate for 127.0.0.1 needs that IP among its subject
 alternative names.
+
+Both check their files when made (a service: before it loads its model or binds),
+with the standard library's ``ssl``: a certificate file must hold a PEM certificate,
+a CA file at least one, and a key must be the unencrypted PEM private key of the
+certificate beside it. A refusal is a ValueError naming the flag, e.g.
+``--tls-key k.pem does not match --tls-cert c.pem``.
 """
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +33,29 @@ def _read(path: str, what: str) -> bytes:
         raise ValueError(f"{what} {path!r}: {e.strerror or e}") from None
 
 
+def _check_certificates(path: str, flag: str) -> None:
+    """ValueError unless path holds at least one PEM certificate."""
+    _read(path, flag)
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+    except ssl.SSLError:
+        raise ValueError(f"{flag} {path}: holds no PEM certificate") from None
+
+
+def _check_pair(cert: str, key: str, cert_flag: str, key_flag: str) -> None:
+    """ValueError unless cert holds a PEM certificate and key its unencrypted private key."""
+    _check_certificates(cert, cert_flag)
+    if b"ENCRYPTED" in _read(key, key_flag):
+        raise ValueError(f"{key_flag} {key}: an encrypted private key (gRPC reads only "
+                         "unencrypted ones)")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=b"")
+    except ssl.SSLError as e:
+        if e.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError(f"{key_flag} {key} does not match {cert_flag} {cert}") from None
+        raise ValueError(f"{key_flag} {key}: holds no PEM private key") from None
+
+
 @dataclass(frozen=True)
 class ServerTLS:
     cert: str | None = None          # the server's certificate chain
@@ -37,10 +67,10 @@ class ServerTLS:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.client_ca is not None and self.cert is None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-        for path, what in ((self.cert, "--tls-cert"), (self.key, "--tls-key"),
-                           (self.client_ca, "--tls-client-ca")):
-            if path is not None:
-                _read(path, what)
+        if self.cert is not None:
+            _check_pair(self.cert, self.key, "--tls-cert", "--tls-key")
+        if self.client_ca is not None:
+            _check_certificates(self.client_ca, "--tls-client-ca")
 
     @property
     def on(self) -> bool:
@@ -67,9 +97,10 @@ class ClientTLS:
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
             raise ValueError(f"{self.flag}-cert and {self.flag}-key go together")
-        for path, what in ((self.ca, "ca"), (self.cert, "cert"), (self.key, "key")):
-            if path is not None:
-                _read(path, f"{self.flag}-{what}")
+        if self.ca is not None:
+            _check_certificates(self.ca, f"{self.flag}-ca")
+        if self.cert is not None and self.key is not None:
+            _check_pair(self.cert, self.key, f"{self.flag}-cert", f"{self.flag}-key")
 
     @property
     def on(self) -> bool:

@@ -35,9 +35,14 @@ from treespec.kernels.availability import triton_available
 from treespec.kernels.noise import gumbel_noise
 
 
+# The largest temperature a request may set: logits / 100 leave any model's next-token
+# distribution close to uniform over the filtered tokens; a larger value is a mistake.
+MAX_TEMPERATURE = 100.0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0        # 0 = greedy
+    temperature: float = 0.0        # 0 = greedy; at most MAX_TEMPERATURE
     top_k: int = 0                  # 0 = all tokens
     top_p: float = 1.0              # in (0, 1]
     min_p: float = 0.0              # in [0, 1]
@@ -48,8 +53,9 @@ class SamplingParams:
         return self.temperature == 0
 
     def __post_init__(self) -> None:
-        if math.isnan(self.temperature) or self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:     # NaN and inf too
+            raise InvalidRequest(f"temperature must be >= 0 and <= {MAX_TEMPERATURE:g}, "
+                                 f"got {self.temperature}")
         if self.top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:

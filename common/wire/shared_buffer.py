@@ -13,9 +13,13 @@ session).
 
 One request is in flight on a connection at a time (the verify service sends the
 next only after the answer), so a request's states always start at offset 0 and
-the draft has read them (copied them out) before it answers. The draft unlinks the
-file when the first request arrives (the verify has mapped it by then) or when the
-connection ends, so a crash leaves at most an unused, sparse file.
+the draft has read them (copied them out) before it answers.
+
+The file lives in /dev/shm only while one side has yet to map it: the verify
+unlinks it as soon as it has mapped it (``attach``), so services killed together
+(SIGKILL, no cleanup) leave nothing behind; the memory goes with the last mapping.
+A verify that does not map it (another host's /dev/shm, another user) leaves it to
+the draft, which unlinks it when the first request arrives or the connection ends.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ class SharedBuffer:
     @classmethod
     def attach(cls, path: str, pin: bool) -> SharedBuffer:
         """The draft's buffer at path (the verify's side; OSError if not reachable),
-        registered with CUDA when pin is set and CUDA takes it."""
+        mapped, then unlinked (both sides hold it now); registered with CUDA when pin
+        is set and CUDA takes it."""
         if not path.startswith(SHM_DIR + "/treespec-hidden-"):
             raise OSError(f"not a treespec shared buffer: {path!r}")
         fd = os.open(path, os.O_RDWR)
@@ -76,6 +81,10 @@ class SharedBuffer:
             buf = cls(path, fd)
         finally:
             os.close(fd)
+        try:
+            buf.unlink()
+        except OSError as e:         # not ours to remove: the draft does it
+            log.debug("left %s to the draft (%s)", path, e)
         return buf._pin() if pin else buf
 
     def _pin(self) -> SharedBuffer:
@@ -110,12 +119,13 @@ class SharedBuffer:
         return self.bytes[offset:offset + n].view(dtype).view(shape)
 
     def unlink(self) -> None:
+        """Remove the file (the mappings stay); a file already gone is no error."""
         if not self._unlinked:
-            self._unlinked = True
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+            self._unlinked = True
 
     def close(self) -> None:
         if self._pinned:
