@@ -14,6 +14,7 @@ Leaving a stream early (break, close, task cancellation) cancels the server-side
 from __future__ import annotations
 
 import asyncio
+import operator
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -120,22 +121,49 @@ def build_request(prompt: str | None = None, prompt_ids: Iterable[int] | None = 
                   no_speculation: bool = False, request_id: str = "",
                   timeout: float | None = None) -> pb.GenerateRequest:
     """A GenerateRequest; exactly one of prompt / prompt_ids must be given. Sampling
-    fields left None are not sent: the server's defaults apply.
+    fields left None are not sent: the server's defaults apply. What the message
+    cannot carry is refused here as the server would refuse it: TreespecError,
+    code INVALID_ARGUMENT.
 
     `timeout` belongs to the call, not the message, and is ignored here.
     """
     if (prompt is None) == (prompt_ids is None):
-        raise ValueError("give exactly one of prompt or prompt_ids")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    return pb.GenerateRequest(
-        request_id=request_id, prompt=prompt or "",
-        prompt_ids=list(prompt_ids) if prompt_ids is not None else [],
-        max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-        sampling=pb.SamplingParams(**{k: v for k, v in dict(
-            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            seed=seed).items() if v is not None}),
-        no_speculation=no_speculation)
+        raise _invalid("give exactly one of prompt or prompt_ids")
+    if not 1 <= max_tokens < 1 << 31:
+        raise _invalid(f"max_tokens must be >= 1 and < 2**31, got {max_tokens}")
+    sampling = pb.SamplingParams()
+    for name, value in dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            seed=seed).items():
+        if value is not None:
+            try:
+                setattr(sampling, name, value)
+            except (ValueError, TypeError) as e:    # a value its field cannot hold
+                raise _invalid(f"{name}: {e}") from None
+    ids = _ids("prompt_ids", prompt_ids if prompt_ids is not None else ())
+    stop_ids = _ids("stop_token_ids", stop_token_ids)
+    try:
+        return pb.GenerateRequest(
+            request_id=request_id, prompt=prompt or "", max_tokens=max_tokens,
+            prompt_ids=ids, stop_token_ids=stop_ids, ignore_eos=ignore_eos,
+            sampling=sampling, no_speculation=no_speculation)
+    except (ValueError, TypeError) as e:
+        raise _invalid(str(e)) from None
+
+
+def _ids(name: str, values: Iterable[int]) -> list[int]:
+    """values as a list of token ids, each in [0, 2**31) (the wire's int32)."""
+    try:
+        ids = [operator.index(v) for v in values]
+    except TypeError:
+        raise _invalid(f"{name} must be integers") from None
+    bad = next((v for v in ids if not 0 <= v < 1 << 31), None)
+    if bad is not None:
+        raise _invalid(f"{name} must be in [0, 2**31), got {bad}")
+    return ids
+
+
+def _invalid(details: str) -> TreespecError:
+    return TreespecError(grpc.StatusCode.INVALID_ARGUMENT, details)
 
 
 def chunk_from_pb(m: pb.GenerateResponse) -> Chunk:
