@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# The treespec image both compose services run: `treespec draft ...` / `treespec verify ...`.
+# The treespec image the compose services run: `treespec draft|verify|openai ...`.
 # PyPI's Linux x86_64 torch wheels bundle the CUDA runtime, so a plain Python base is
 # enough on a host with the NVIDIA driver and container toolkit. BASE_IMAGE can point
 # at a CUDA/PyTorch image instead (e.g. one whose grpcio/protobuf match the stubs).
@@ -22,7 +22,8 @@ RUN pip install . \
     && useradd --create-home --uid 10001 treespec
 
 USER treespec
-# gRPC (verify 50051, draft 50052) and /metrics (verify 9400, draft 9401); compose sets them.
-EXPOSE 50051 50052 9400 9401
+# gRPC (verify 50051, draft 50052), /metrics (verify 9400, draft 9401) and the OpenAI
+# front's HTTP (8000); compose sets them.
+EXPOSE 50051 50052 9400 9401 8000
 ENTRYPOINT ["treespec"]
 CMD ["--help"]

@@ -79,7 +79,7 @@ def overrides(target_dir, draft_dir) -> dict[str, str]:
 def test_compose_shape():
     spec = load({})
     s = spec["services"]
-    assert set(s) == {"draft", "verify", "collector"}
+    assert set(s) == {"draft", "verify", "openai", "collector"}
     for name, gpu in (("draft", "0"), ("verify", "1")):
         (dev,) = s[name]["deploy"]["resources"]["reservations"]["devices"]
         assert dev["device_ids"] == [gpu] and dev["capabilities"] == ["gpu"]
@@ -108,6 +108,27 @@ def test_compose_shape():
     tls = load({"TLS_CERT": "/certs/server.pem", "DRAFT_TLS_CA": "/certs/ca.pem"})["services"]
     assert "--tls-cert=/certs/server.pem" in tls["draft"]["command"]
     assert "--draft-tls-ca=/certs/ca.pem" in tls["verify"]["command"]
+    assert "--tls-ca=/certs/ca.pem" in tls["openai"]["command"]
+
+
+def test_compose_openai_front():
+    """The OpenAI front: no GPU, after a healthy verify, the verify's checkpoint for its
+    tokenizer, and a command `treespec openai` parses."""
+    import argparse
+    from treespec.common.openai.cli import add_arguments
+
+    front = load({})["services"]["openai"]
+    assert "deploy" not in front
+    assert front["depends_on"]["verify"]["condition"] == "service_healthy"
+    assert {"--verify=verify:50051", "--model=/models/target", "--port=8000"} <= \
+        set(front["command"])
+    assert "./models/target:/models/target:ro" in front["volumes"]
+    assert "http://127.0.0.1:8000/health" in front["healthcheck"]["test"][-1]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(front["command"][1:])
+    assert (args.verify, args.served_model_name, args.api_key_file) == \
+        ("verify:50051", None, None)
 
 
 def test_docker_compose_config_agrees(overrides):
@@ -122,6 +143,7 @@ def test_docker_compose_config_agrees(overrides):
         assert proc.returncode == 0, proc.stderr
         theirs = json.loads(proc.stdout)["services"]
         ours = load(env)["services"]
+        assert theirs["openai"]["command"] == ours["openai"]["command"]
         for name in ("draft", "verify"):
             assert theirs[name]["command"] == ours[name]["command"]
             assert theirs[name]["healthcheck"]["test"] == ours[name]["healthcheck"]["test"]
