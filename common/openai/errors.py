@@ -89,5 +89,10 @@ async def http_error(request: Request, exc: Exception) -> JSONResponse:
     return _json(APIError(exc.status_code, str(exc.detail)))
 
 
+async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug: 500 in the same shape (Starlette logs the traceback)."""
+    return _json(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
 HANDLERS = {APIError: api_error, RequestValidationError: validation_error,
-            HTTPException: http_error}
+            HTTPException: http_error, Exception: internal_error}
