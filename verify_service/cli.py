@@ -15,7 +15,9 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
     v.add_argument("--draft", metavar="HOST:PORT", help="draft service; omit for plain decode")
     v.add_argument("--max-batch", type=int, help="running sequences per step")
     v.add_argument("--max-model-len", type=int, help="0 = the checkpoint's context")
-    v.add_argument("--prefill-tokens", type=int, help="prompt tokens admitted per iteration")
+    v.add_argument("--prefill-tokens", type=int,
+                   help="prompt tokens prefilled per iteration (default 2048): a longer "
+                        "prompt is prefilled in chunks, between decode steps")
     v.add_argument("--max-prompt-bytes", type=int,
                    help="refuse a text prompt longer than this, unread (default 1 MiB)")
     v.add_argument("--max-waiting", type=int,

@@ -1,11 +1,13 @@
 """The verify engine: continuous batching of speculative decoding.
 
-Each loop iteration (1) admits waiting requests and prefills them in one forward,
-(2) asks the draft for one tree per running sequence (one message for the batch),
-and (3) runs ONE target forward over [root, nodes] of every running sequence,
-accepting, committing and streaming 1..depth+1 tokens each (greedy, or each request's
-seeded draw: common/spec/sampling.py). A missing, late or broken proposal turns the step
-into plain decode: output never changes.
+Each loop iteration (1) admits waiting requests, (2) prefills the next chunks of the
+prompts not yet written (at most --prefill-tokens in one forward), and (3) runs one
+decode step over the sequences past their prefill: schedule (the draft's trees for the
+rows the controller asks: verify_service/scheduler.py), run (ONE target forward over
+[root, nodes] of every sequence, the accept walk and the KV commit) and postprocess
+(commit and stream 1..depth+1 tokens each, greedy or each request's seeded draw:
+common/spec/sampling.py). A missing, late or broken proposal turns the step into plain
+decode: output never changes.
 
 The draft is reached through a ``Drafter`` (verify_service/drafter.py); the engine
 never sees its carrier. All state is touched only on the event loop; compute runs
@@ -150,8 +152,8 @@ class VerifyEngine:
                     log.info("verify warm-up for the draft's budgets took %.1f s",
                              await self.runner.compute(self.verifier.warm_up))
                 await self._admit()
-                if self.running:
-                    await self._step()
+                await self._prefill()
+                await self._step()
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -184,37 +186,58 @@ class VerifyEngine:
             seq.emit([])
 
     async def _admit(self) -> None:
-        batch: list[Sequence] = []
-        budget = self.prefill_tokens
+        """Move waiting requests into the batch while slots and KV pages allow (all the
+        pages a request may need, reserved now); _prefill then writes their prompts."""
         while self.waiting:
-            if len(self.running) + len(batch) >= self.max_batch:
+            if len(self.running) >= self.max_batch:
                 self._limited("--max-batch", f"{self.max_batch} sequences already run")
                 break
             seq = self.waiting[0]
             need = self._pages_for(seq.req)
-            if batch and len(seq.tokens) > budget:
-                break
             if need > self.cache.blocks.num_free:
                 self._limited("--num-blocks", f"{self.cache.blocks.num_free} of "
                               f"{self.cache.blocks.num_blocks} KV pages are free")
                 break
             self.waiting.popleft()
             self.cache.reserve(seq.pages, need * self.cache.block_size)
-            budget -= len(seq.tokens)
-            batch.append(seq)
-        if not batch:
+            # running from here on, so a failed prefill is reaped (pages back, clients told)
+            self.running.append(seq)
+
+    async def _prefill(self) -> None:
+        """One forward over the next chunks of the prompts being prefilled, oldest first,
+        at most --prefill-tokens tokens in all: a long prompt takes several iterations,
+        each beside a decode step of the running sequences, so no prompt stalls the
+        others or holds a forward's memory for all its tokens at once. A prompt whose
+        last chunk ran commits its first token."""
+        chunks: list[tuple[Sequence, list[int]]] = []
+        budget = self.prefill_tokens
+        for seq in self.running:
+            if budget and seq.prefilling and not seq.cancelled:
+                start = seq.pages.kv_len
+                n = min(seq.stats.prompt_tokens - start, budget)
+                chunks.append((seq, seq.tokens[start:start + n]))
+                budget -= n
+        if not chunks:
             return
-        # running from here on, so a failed prefill is reaped (pages back, clients told)
-        self.running.extend(batch)
         t0 = time.time_ns()
         firsts, feats = await self.runner.compute(
-            self.verifier.prefill, [s.pages for s in batch], [list(s.tokens) for s in batch],
-            [s.sampling for s in batch])
-        for i, (seq, tok) in enumerate(zip(batch, firsts)):
-            seq.hidden = RowBuffer(feats[i]) if feats is not None and seq.speculative else None
-            seq.emit(seq.commit([tok]))
-        self.observer.prefilled(batch, t0, time.time_ns())
-        for seq in batch:
+            self.verifier.prefill, [s.pages for s, _ in chunks], [c for _, c in chunks],
+            [s.sampling for s, _ in chunks])
+        done = []
+        for i, (seq, chunk) in enumerate(chunks):
+            rows = feats[i] if feats is not None and seq.speculative else None
+            if rows is None:
+                seq.hidden = None
+            elif seq.pages.kv_len == len(chunk):       # its first chunk
+                seq.hidden = RowBuffer(rows)
+            elif seq.hidden is not None:
+                seq.hidden.append(rows)
+            if not seq.prefilling:
+                seq.emit(seq.commit([firsts[i]]))
+                done.append(seq)
+        if done:
+            self.observer.prefilled(done, t0, time.time_ns())
+        for seq in done:
             if seq.finish is not None:
                 self.observer.finished(seq)
 
@@ -227,7 +250,8 @@ class VerifyEngine:
 
     async def _step(self) -> None:
         """One decode step: schedule -> run -> postprocess."""
-        seqs = [s for s in self.running if s.finish is None and not s.cancelled]
+        seqs = [s for s in self.running
+                if s.finish is None and not s.cancelled and not s.prefilling]
         if not seqs:
             return
         self.observer.step_started(seqs)

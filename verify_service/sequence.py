@@ -47,6 +47,11 @@ class Sequence:
         return len(self.tokens) - self.stats.prompt_tokens
 
     @property
+    def prefilling(self) -> bool:
+        """Part of its prompt's KV is not written yet (the engine prefills in chunks)."""
+        return self.pages.kv_len < self.stats.prompt_tokens
+
+    @property
     def speculative(self) -> bool:
         return not self.req.no_speculation
 

@@ -125,15 +125,17 @@ class Verifier:
     def prefill(self, pages: list[SeqPages], prompts: list[list[int]],
                 params: list[SamplingParams] | None = None
                 ) -> tuple[list[int], list[torch.Tensor] | None]:
-        """Write every prompt's KV; returns each prompt's next token (greedy, or drawn
-        with its params) and, when capturing, each prompt's hidden states [len, C]."""
+        """Write the KV of each prompt's next chunk (prompts[i]: the tokens after the
+        pages[i].kv_len already written); returns the token after each chunk (greedy, or
+        drawn with its params) and, when capturing, each chunk's hidden states [len, C]."""
         fb = build_forward_batch([chain_chunk(p, t) for p, t in zip(pages, prompts)], self.cache)
         hidden, captured = self.model(fb, self.cache, self.ops, self.capture_layers)
         last = hidden[fb.last]
         if params is None or all(p.greedy for p in params):
             nxt = self.model.greedy(last, self.ops).tolist()
         else:
-            position = torch.tensor([len(t) for t in prompts], device=last.device)
+            position = torch.tensor([p.kv_len + len(t) for p, t in zip(pages, prompts)],
+                                    device=last.device)
             nxt = draw(self.ops.linear(last, self.model.lm_head.weight),
                        *as_tensors(params, last.device), position=position).tolist()
         for p, t in zip(pages, prompts):
