@@ -2,11 +2,9 @@
 
 The stream runs over the draft's local Unix socket when it advertises one that this
 process reaches and that greets with the draft's instance id (common/wire/frames.py; the
-same host), else over gRPC (``local=False``: always gRPC). On the H200 the socket
-bought 18 % tok/s over gRPC at batch 1 with the replay instrument (bench/NOTES.md,
-ninth session, call 1). With ``busy_poll`` the wait for the answer is a loop that
-never sleeps: no thread wake-up on the step's critical path (with the step runner's
-event polling, +11 % / +7 % at batch 1 / 8 on the socket, call 2).
+same host), else over gRPC (``local=False``: always gRPC): the socket wakes no gRPC
+thread on the step's critical path. With ``busy_poll`` the wait for the answer is a
+loop that never sleeps: no thread wake-up either.
 
 A draft that is absent, late, busy or broken only turns that step into plain
 decode: ``propose`` returns the reason, never raises. Each new connection resets

@@ -44,9 +44,8 @@ if TYPE_CHECKING:
 # target hidden states one request carries at most in its message (a shared buffer
 # bounds them by its size): a new sequence's prompt (8 KB a token projected at the
 # Qwen3-8B EAGLE-3 and DFlash shapes, 24 / 40 KB not) is sent over as many steps as it
-# takes. The bound keeps a step's answer inside the deadline: at 32 MB (encode,
-# socket, decode: ~100 ms) every syncing step missed it on the H200 and the steps
-# after it ran plain
+# takes. The bound keeps a step's answer inside the deadline (32 MB took ~100 ms to
+# encode, carry and decode on a GPU host: every syncing step missed its deadline)
 MAX_HIDDEN_BYTES = 8 << 20
 
 
