@@ -27,7 +27,6 @@ from treespec.common.serving.auth import metadata
 from treespec.common.wire.shared_buffer import SharedBuffer
 from treespec.common.spec.messages import DrafterInfo
 from treespec.common.serving.tls import ClientTLS, channel
-from treespec.common.spec.tree import TreeBatch
 from treespec.protos.treespec.v1 import treespec_pb2 as pb
 from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
 from treespec.verify_service.draft_sync import DraftSync, Outgoing
@@ -230,7 +229,7 @@ class DraftLink:
             self._outstanding = None
         finally:
             self.sync.sent(seqs, out)
-        return Drafted(None, None, out.request.step_id, syncing=out.syncing,
+        return Drafted(None, step_id=out.request.step_id, syncing=out.syncing,
                        hidden_bytes=out.hidden_bytes, catch_up=True, fresh=out.fresh)
 
     def _deliver(self, msg: pb.Proposal) -> None:
@@ -309,7 +308,7 @@ class DraftLink:
                     log.info("draft step %d missed the %.0f ms deadline (%d so far): "
                              "plain decode until it answers; --step-deadline-ms sets it",
                              step, 1000 * self.deadline_s, self._late)
-            return Drafted(None, "deadline" if msg is _EXPIRED else "disconnected", step,
+            return Drafted(None, "deadline" if msg is _EXPIRED else "disconnected", step_id=step,
                            hidden_bytes=out.hidden_bytes)
         self._outstanding = None
         stamps = (t_sent, self._t_answer, msg.received_unix_ns, msg.sent_unix_ns)
@@ -317,21 +316,18 @@ class DraftLink:
             resp = wire.response_from_pb(msg)
         except codec.CodecError as e:
             log.warning("draft sent an undecodable proposal: %s", e)
-            return Drafted(None, "invalid_proposal", step, stamps,
+            return Drafted(None, "invalid_proposal", step_id=step, stamps=stamps,
                            hidden_bytes=out.hidden_bytes)
         if resp.seq_ids != [seqs[i].seq_id for i in out.rows]:
             log.warning("dropping a proposal whose rows are not the request's sequences")
-            return Drafted(None, "invalid_proposal", step, stamps,
+            return Drafted(None, "invalid_proposal", step_id=step, stamps=stamps,
                            hidden_bytes=out.hidden_bytes)
         self.sync.resync(resp.resync)
         trees, syncing = resp.trees, set(out.syncing)
         if not self.sync.rejection:         # coupled acceptance never reads q
             trees.q_ids = trees.q_probs = None
         keep = [j for j, i in enumerate(out.rows) if i not in syncing]
-        if syncing:
-            trees = TreeBatch(trees.tokens[keep], trees.parents[keep],
-                              *(None if x is None else x[keep]
-                                for x in (trees.q_ids, trees.q_probs)))
-        return Drafted(trees.scatter([out.rows[j] for j in keep], len(seqs)), None, step,
-                       stamps, out.syncing, out.hidden_bytes,
-                       out.catch_up(self._info.envelope.depth), out.fresh)
+        return Drafted(trees.take(keep) if syncing else trees, step_id=step, stamps=stamps,
+                       syncing=out.syncing, hidden_bytes=out.hidden_bytes,
+                       catch_up=out.catch_up(self._info.envelope.depth), fresh=out.fresh,
+                       rows=[out.rows[j] for j in keep])

@@ -33,7 +33,7 @@ Fallback = Literal["no_draft", "disconnected", "busy", "deadline", "invalid_prop
 class Drafted:
     """A drafter's answer for one step: trees, or the reason there are none."""
 
-    trees: TreeBatch | None                 # one row per sequence asked, in their order
+    trees: TreeBatch | None                 # one row per sequence in rows
     fallback: Fallback | None = None        # set when trees is None
     step_id: int = 0                        # the drafter's id for the step; 0: not asked
     # the hop's time stamps (ns): request handed over, answer read, and the draft's
@@ -46,6 +46,8 @@ class Drafted:
     # or one back from a rest): the draft caught up, so the step's time is not a step's
     catch_up: bool = False
     fresh: bool = False                     # ... and some sequence was new to the draft
+    # which of the sequences asked (indices) the trees' rows are for; None: all, in order
+    rows: list[int] | None = None
 
 
 class Drafter(Protocol):

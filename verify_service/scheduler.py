@@ -61,7 +61,8 @@ class StepScheduler:
         trees, index, siblings = None, None, 1
         if drafted.trees is not None and any(drafted.trees.num_valid()):   # else: plain graph
             env = self.link.info.envelope
-            trees, index = cut_depth(drafted.trees.scatter(plan.rows, len(seqs)), plan.depth,
+            rows = plan.rows if drafted.rows is None else [plan.rows[j] for j in drafted.rows]
+            trees, index = cut_depth(drafted.trees.scatter(rows, len(seqs)), plan.depth,
                                      budget_nodes(env, plan.depth))
             siblings = env.topk
         batch = VerifyBatch([s.pages for s in seqs], [s.tokens[-1] for s in seqs], trees,
@@ -96,18 +97,19 @@ class StepScheduler:
             return Drafted(None, "draft_error"), plan
         return self._checked(got, len(plan.rows)), plan
 
-    def _checked(self, got: Drafted, rows: int) -> Drafted:
-        """got, or no trees when they are not a valid answer for these rows."""
+    def _checked(self, got: Drafted, asked: int) -> Drafted:
+        """got, or no trees when they are not a valid answer for the rows asked."""
         if got.trees is None:
             return got
         t = got.trees
+        rows = asked if got.rows is None else len(got.rows)
         why = "wrong number of rows" if len(t) != rows else validate_tree(
             t.tokens, t.parents, self.link.info.envelope.num_nodes, self.vocab_size,
             t.q_ids, t.q_probs)
         if why is None:
             return got
         log.warning("dropping an invalid proposal: %s", why)
-        return Drafted(None, "invalid_proposal", got.step_id, got.stamps,
+        return Drafted(None, "invalid_proposal", step_id=got.step_id, stamps=got.stamps,
                        hidden_bytes=got.hidden_bytes)
 
     def _fallbacks(self, seqs: list[Sequence], plan: Plan, drafted: Drafted

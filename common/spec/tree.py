@@ -94,8 +94,7 @@ class TreeBatch:
 
     def scatter(self, rows: list[int], batch: int) -> TreeBatch:
         """These trees as rows ``rows`` of a batch of ``batch`` rows, the others all
-        padding (the one place trees are re-rowed). Returns self when it already is
-        that batch."""
+        padding. Returns self when it already is that batch."""
         if rows == list(range(batch)):
             return self
         out = TreeBatch.padding(batch, self.tokens.shape[1])
@@ -108,6 +107,11 @@ class TreeBatch:
             if rows:
                 getattr(out, f.name)[rows] = mine
         return out
+
+    def take(self, rows: list[int]) -> TreeBatch:
+        """These rows' trees, in this order."""
+        return TreeBatch(*(None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
+                           for f in fields(self)))
 
     def pruned(self, depth: int) -> TreeBatch:
         """These trees with the nodes deeper than depth made padding (indices kept)."""
