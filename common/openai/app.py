@@ -27,15 +27,25 @@ from typing import Any, Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-
 from treespec.common.client import Chunk, ServerInfo, TreespecError
 from treespec.common.openai.errors import HANDLERS, APIError, from_rpc
 from treespec.common.openai.metrics import FrontMetrics, MetricsMiddleware
-from treespec.common.openai.protocol import (ChatRequest, CompletionRequest, Kind,
-                                             ResponseShape, model_list, usage)
+from treespec.common.openai.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    Kind,
+    ResponseShape,
+    model_list,
+    usage,
+)
 from treespec.common.openai.stream import Delta, deltas
-from treespec.common.openai.translate import (Plan, chat_prompt, check_supported,
-                                              completion_prompt, plan)
+from treespec.common.openai.translate import (
+    Plan,
+    chat_prompt,
+    check_supported,
+    completion_prompt,
+    plan,
+)
 
 T = TypeVar("T")
 CLIENT_GONE = 499                    # nginx's status for a client that closed first
@@ -160,8 +170,7 @@ def build_app(gw: Gateway) -> FastAPI:
         return await asyncio.get_running_loop().run_in_executor(gw.tokenize, fn, *args)
 
     async def respond(kind: Kind, req: ChatRequest | CompletionRequest, p: Plan,
-                      request: Request) -> Response:
-        start = time.perf_counter()
+                      request: Request, arrived: float) -> Response:
         shape = ResponseShape(kind, gw.served_model_name)
         source = deltas(gw.client.generate_stream(prompt_ids=p.prompt_ids, request_id=shape.id,
                                                   **p.args), gw.tokenizer, p.stops)
@@ -171,7 +180,6 @@ def build_app(gw: Gateway) -> FastAPI:
                 if done is None:
                     return Response(status_code=CLIENT_GONE)
                 text, last = done
-                gw.metrics.ttft.labels(request.url.path).observe(time.perf_counter() - start)
                 return JSONResponse(shape.completion(
                     text, last.finish_reason or "stop",
                     usage(len(p.prompt_ids), last.completion_tokens), last.stats))
@@ -182,26 +190,29 @@ def build_app(gw: Gateway) -> FastAPI:
         if first is None:
             await source.aclose()
             return Response(status_code=CLIENT_GONE)
-        gw.metrics.ttft.labels(request.url.path).observe(time.perf_counter() - start)
+        gw.metrics.ttft.labels(request.url.path).observe(time.perf_counter() - arrived)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return EventStream(events(shape, first, source, len(p.prompt_ids), include_usage),
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @v1.post("/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request) -> Response:
+        arrived = time.perf_counter()
         check_model(req.model)
         check_supported(req)
         ids = await off_loop(chat_prompt, gw.tokenizer, req, gw.checkpoint)
         return await respond("chat", req, plan(req, ids, gw.tokenizer, gw.info.max_model_len),
-                             request)
+                             request, arrived)
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
+        arrived = time.perf_counter()
         check_model(req.model)
         check_supported(req)
         ids = await off_loop(completion_prompt, gw.tokenizer, req)
         return await respond("completion", req,
-                             plan(req, ids, gw.tokenizer, gw.info.max_model_len), request)
+                             plan(req, ids, gw.tokenizer, gw.info.max_model_len), request,
+                             arrived)
 
     @v1.get("/models")
     async def models() -> dict:

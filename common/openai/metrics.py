@@ -2,7 +2,7 @@
 
     treespec:openai_requests_total{route, status}      finished HTTP requests
     treespec:openai_requests_running                    requests being answered
-    treespec:openai_time_to_first_token_seconds{route}  request in -> first text out
+    treespec:openai_time_to_first_token_seconds{route}  streamed: request in -> first text
 
 What the engine does (tokens, speculation, KV pages) is the verify's /metrics
 (``treespec verify --metrics-port``). The registry is this app's own, never the
@@ -11,10 +11,15 @@ process-global one.
 
 from __future__ import annotations
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
-                               Histogram, generate_latest)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
 from treespec.common.serving.metrics import LATENCY_BUCKETS
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
@@ -30,7 +35,7 @@ class FrontMetrics:
         self.running = Gauge("treespec:openai_requests_running",
                              "HTTP requests being answered.", registry=r)
         self.ttft = Histogram("treespec:openai_time_to_first_token_seconds",
-                              "From the request's arrival to its first text.", ["route"],
+                              "Streamed requests: from arrival to the first text.", ["route"],
                               buckets=LATENCY_BUCKETS, registry=r)
 
     def exposition(self) -> bytes:
