@@ -23,6 +23,7 @@ import grpc
 import httpx
 import openai
 import pytest
+
 import services
 from parallel_services import free_port
 from prom import scrape, value

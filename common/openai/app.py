@@ -27,25 +27,15 @@ from typing import Any, Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 from treespec.common.client import Chunk, ServerInfo, TreespecError
 from treespec.common.openai.errors import HANDLERS, APIError, from_rpc
 from treespec.common.openai.metrics import FrontMetrics, MetricsMiddleware
-from treespec.common.openai.protocol import (
-    ChatRequest,
-    CompletionRequest,
-    Kind,
-    ResponseShape,
-    model_list,
-    usage,
-)
+from treespec.common.openai.protocol import (ChatRequest, CompletionRequest, Kind,
+                                             ResponseShape, model_list, usage)
 from treespec.common.openai.stream import Delta, deltas
-from treespec.common.openai.translate import (
-    Plan,
-    chat_prompt,
-    check_supported,
-    completion_prompt,
-    plan,
-)
+from treespec.common.openai.translate import (Plan, chat_prompt, check_supported,
+                                              completion_prompt, plan)
 
 T = TypeVar("T")
 CLIENT_GONE = 499                    # nginx's status for a client that closed first

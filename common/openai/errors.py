@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+
 from treespec.common.client import TreespecError
 
 _STATUS_TYPE = {400: "invalid_request_error", 401: "invalid_request_error",

@@ -11,15 +11,10 @@ process-global one.
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from treespec.common.serving.metrics import LATENCY_BUCKETS
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")

@@ -18,6 +18,7 @@ import signal
 from collections.abc import Iterator
 
 import uvicorn
+
 from treespec.common.client import AsyncTreespecClient
 from treespec.common.model.paths import resolve_model
 from treespec.common.model.tokenizer import load_tokenizer

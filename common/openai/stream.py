@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
 from treespec.common.client import Chunk, TreespecError, tokens_per_step
 from treespec.common.model.tokenizer import Detokenizer
 

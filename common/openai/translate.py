@@ -17,12 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from treespec.common.openai.errors import APIError, bad_request
-from treespec.common.openai.protocol import (
-    MAX_STOP_STRINGS,
-    ChatRequest,
-    CompletionRequest,
-    GenerationRequest,
-)
+from treespec.common.openai.protocol import (MAX_STOP_STRINGS, ChatRequest, CompletionRequest,
+                                             GenerationRequest)
 
 # fields this front cannot honour, and the values that ask for nothing
 _NEUTRAL: dict[str, tuple] = {
