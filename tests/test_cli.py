@@ -196,12 +196,12 @@ def test_importing_the_cli_loads_no_service_and_no_torch():
             "m.split('.')[0] in ('torch', 'transformers') or m.startswith(("
             "'treespec.draft_service', 'treespec.verify_service'))); print(bad); "
             "sys.exit(1 if bad else 0)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
                           env=child_env(), timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_python_dash_m_runs_the_cli():
-    proc = subprocess.run([sys.executable, "-m", "treespec.common.cli", "draft", "--help"],
+    proc = subprocess.run([sys.executable, "-P", "-m", "treespec.common.cli", "draft", "--help"],
                           capture_output=True, text=True, env=child_env(), timeout=60)
     assert proc.returncode == 0 and "--envelope" in proc.stdout

@@ -183,7 +183,7 @@ def test_light_proposers_step_on_the_event_loop_others_on_the_worker(method, dra
 
 
 def test_run_serves_until_sigterm():
-    proc = subprocess.Popen([sys.executable, "-c", RUN_SCRIPT], cwd=REPO, text=True,
+    proc = subprocess.Popen([sys.executable, "-P", "-c", RUN_SCRIPT], cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         first = proc.stdout.readline().strip()

@@ -181,7 +181,7 @@ SERVE_SCRIPT = textwrap.dedent("""
 
 
 def test_run_server_prints_address_first_and_stops_gracefully():
-    proc = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-P", "-c", SERVE_SCRIPT], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         first = proc.stdout.readline().strip()

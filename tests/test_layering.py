@@ -21,7 +21,7 @@ def test_an_engine_loads_without_grpc_or_the_stubs(engine):
     code = (f"import sys, {engine}; bad = sorted(m for m in sys.modules if m.split('.')[0] "
             "in ('grpc', 'grpc_health', 'grpc_reflection') or m.startswith('treespec.protos'))"
             "; print(bad); sys.exit(1 if bad else 0)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
                           env=child_env(), timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

@@ -20,16 +20,15 @@ LISTENING = re.compile(r"^listening on (\S+):(\d+)\s*$")
 
 
 def cli_command(*args: str) -> list[str]:
-    """argv that runs the treespec CLI with this interpreter."""
-    return [sys.executable, "-m", "treespec.common.cli", *args]
+    """argv that runs the treespec CLI with this interpreter, its working directory kept
+    off sys.path (-P: from a checkout, its common/ and kernels/ folders would shadow
+    installed packages, such as Hugging Face's kernels)."""
+    return [sys.executable, "-P", "-m", "treespec.common.cli", *args]
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This environment, with the child's output unbuffered and its working directory
-    kept off sys.path (from a checkout, its common/ and kernels/ folders would shadow
-    installed packages; the child runs this interpreter, which has treespec installed)."""
+    """This environment, with the child's output unbuffered."""
     env = dict(os.environ)
-    env["PYTHONSAFEPATH"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
