@@ -115,21 +115,21 @@ def check_model(name: str | None) -> None:
 def run_server(module: str, cfg) -> None:
     """Blocks in `module.run(cfg)`, which prints `listening on HOST:PORT` once bound.
 
-    cfg's ports are tried first (before the module loads a model): a port in use or a
+    cfg's ports are tried first (before the module is imported): a port in use or a
     host that is not this machine's is a ConfigError naming the flag, as is a bind
     that fails later.
     """
     from treespec.common.serving.bind import BindError, check_bindable
     try:
-        server = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name not in (module, module.split(".")[0]):
-            raise
-        raise ConfigError(f"{module} is not part of this install") from None
-    try:
         check_bindable(cfg.host, cfg.port, "--port")
         if cfg.metrics_port:
             check_bindable(cfg.host, cfg.metrics_port, "--metrics-port")
+        try:
+            server = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name not in (module, module.split(".")[0]):
+                raise
+            raise ConfigError(f"{module} is not part of this install") from None
         server.run(cfg)
     except BindError as e:
         raise ConfigError(str(e)) from None
@@ -141,6 +141,14 @@ def run_server(module: str, cfg) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _loaded(module: str, name: str) -> tuple[type[BaseException], ...]:
+    """(module.name,) when module was imported, else (): an except clause over an error
+    type that only a loaded module can raise, without importing it (the checkpoint
+    module imports torch, which a refusal or `treespec generate` need not wait for)."""
+    mod = sys.modules.get(module)
+    return (getattr(mod, name),) if mod is not None else ()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -164,14 +172,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=about)
     getattr(module, add)(parser)
     args = parser.parse_args(argv[1:])
-    from treespec.common.model.checkpoint import CheckpointError
-    from treespec.common.client import TreespecError
     try:
         return getattr(module, run)(args) or 0
-    except (ConfigError, NotImplementedError, CheckpointError) as e:
+    except (ConfigError, NotImplementedError,
+            *_loaded("treespec.common.model.checkpoint", "CheckpointError")) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    except TreespecError as e:
+    except _loaded("treespec.common.client.sdk", "TreespecError") as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
