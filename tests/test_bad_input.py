@@ -25,7 +25,10 @@ def test_fields_are_checked_before_any_work():
                          (dict(prompt_ids=[1, 2], stop_token_ids=list(range(2000))),
                           "stop_token_ids"),
                          (dict(prompt_ids=[1, 2], request_id="x" * 100_000), "request_id"),
-                         (dict(prompt="y" * (2 << 20)), "prompt")]
+                         (dict(prompt="y" * (2 << 20)), "prompt"),
+                         (dict(prompt_ids=[1, 2], temperature=float("inf")), "temperature"),
+                         (dict(prompt_ids=[1, 2], temperature=1e30), "temperature"),
+                         (dict(prompt_ids=[1 << 31]), "prompt_ids")]
                 for kw, field in cases:
                     with pytest.raises(TreespecError) as err:
                         await c.generate(max_tokens=4, **kw)

@@ -93,6 +93,8 @@ def test_top_k_first_draw_is_the_whole_vocabularys_draw():
 
 @pytest.mark.parametrize("kw, field", [
     (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"), (dict(temperature=1e30), "<= 100"),
+    (dict(temperature=100.5), "temperature"),
     (dict(top_k=-2), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"),
     (dict(min_p=-0.1), "min_p"), (dict(min_p=2.0), "min_p")])
 def test_out_of_range_parameters_are_refused_by_name(kw, field):
