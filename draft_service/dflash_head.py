@@ -22,8 +22,13 @@ tensors ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
 ``layers.{i}.self_attn.{q,k}_norm.weight``,
 ``layers.{i}.{input,post_attention}_layernorm.weight``,
 ``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``hidden_norm.weight``,
-``fc.weight``. Target layer id L means HF's ``hidden_states[L + 1]``, the residual
-stream entering target layer L + 1: our capture index L + 1.
+``fc.weight``.
+
+Target layer ids are z-lab's: id i (0 .. num_target_layers - 1) is the output of target
+layer i, transformers' ``output_hidden_states[i + 1]``. The verify service captures
+the residual stream *entering* a layer, so the ids become capture indices i + 1 here,
+once (``DFlashSpec.capture_layers``); the last layer's id becomes num_target_layers,
+which the target answers with its final-normed hidden states, as transformers does.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ class DFlashSpec:
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
-        """The target capture indices (residual entering layer L + 1) of the layer ids."""
+        """The target capture indices of the layer ids: id i -> i + 1."""
         return tuple(i + 1 for i in self.target_layer_ids)
 
     @classmethod
@@ -79,9 +84,9 @@ class DFlashSpec:
         layers = Qwen3Spec.from_dict(cfg)
         n_target = int(need("num_target_layers", cfg.get("num_target_layers")))
         ids = extra.get("target_layer_ids") or default_layer_ids(n_target, layers.num_layers)
-        bad = [i for i in ids if not 0 <= int(i) < n_target - 1]
+        bad = [i for i in ids if not 0 <= int(i) < n_target]
         if bad:
-            raise ValueError(f"DFlash target_layer_ids {bad} outside 0 .. {n_target - 2} "
+            raise ValueError(f"DFlash target_layer_ids {bad} outside 0 .. {n_target - 1} "
                              f"(num_target_layers {n_target})")
         block = int(need("block_size", cfg.get("block_size")))
         if block < 2:

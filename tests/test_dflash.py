@@ -76,13 +76,14 @@ def _proposer(path: Path, target: Path, env: str) -> DFlashProposer:
         target_embeddings=str(target), device="cpu", num_blocks=64, block_size=4))
 
 
-def _features(target: Path, tokens: list[int]) -> torch.Tensor:
+def _features(target: Path, tokens: list[int], layer_ids: list[int] = LAYER_IDS
+              ) -> torch.Tensor:
     """f_0 .. f_{n-1} at the drafter's capture indices, [len(tokens), F] (the last row,
     the root's, is what the verify sends with the next token)."""
     model = Qwen3Model.from_pretrained(target)
     cache = model.new_cache(64, 4)
     fb = build_forward_batch([chain_chunk(SeqPages(), tokens)], cache)
-    return torch.cat(model(fb, cache, ops, tuple(i + 1 for i in LAYER_IDS))[1], -1)
+    return torch.cat(model(fb, cache, ops, tuple(i + 1 for i in layer_ids))[1], -1)
 
 
 def _oracle(path: Path, target: Path, tokens: list[int], feats: torch.Tensor) -> torch.Tensor:
@@ -179,13 +180,47 @@ def test_bad_checkpoints_and_flags_are_named(dflash_dir, target4, tmp_path, monk
     monkeypatch.setattr(cli, "run_server", lambda module, c: seen.update(cfg=c))
     argv = ["draft", "--method", "dflash", "--model", str(dflash_dir), "--port", "0"]
     assert cli.main(argv) == 2 and "--target-embeddings" in capsys.readouterr().err
-    bad = dict(cfg, dflash_config=dict(cfg["dflash_config"], target_layer_ids=[0, 3]))
+    bad = dict(cfg, dflash_config=dict(cfg["dflash_config"], target_layer_ids=[0, 4]))
     (broken / "config.json").write_text(json.dumps(bad))
     assert cli.main(["draft", "--method", "dflash", "--model", str(broken), "--port", "0",
                      "--target-embeddings", str(target4)]) == 2
-    assert "target_layer_ids [3]" in capsys.readouterr().err and not seen
+    assert "target_layer_ids [4] outside 0 .. 3" in capsys.readouterr().err and not seen
     assert cli.main(argv + ["--target-embeddings", str(target4)]) == 0
     assert seen["cfg"].envelope.name == "block8-tree"    # its block's tree, by default
+
+
+def test_the_target_s_last_layer_is_a_layer_id(target4, tmp_path, monkeypatch):
+    """z-lab's id i is transformers' hidden_states[i + 1], the last layer's (the final-
+    normed output) included: a drafter naming layer 3 of a 4-layer target loads from
+    the CLI, asks for capture index 4, is sent what transformers computes there, and
+    drafts what the dense forward drafts from it."""
+    from transformers import Qwen3ForCausalLM
+    path = write_drafter(tmp_path / "last", target4, [1, 3], seed=9)
+    seen = {}
+    monkeypatch.setattr(cli, "run_server", lambda module, c: seen.update(cfg=c))
+    assert cli.main(["draft", "--method", "dflash", "--model", str(path), "--port", "0",
+                     "--target-embeddings", str(target4)]) == 0 and seen
+    prop = _proposer(path, target4, "block8")
+    assert prop.target_hidden_layers == (2, 4)
+    toks = torch.randint(0, 95, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    f = _features(target4, toks, [1, 3])
+    hf = Qwen3ForCausalLM.from_pretrained(target4, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hs = hf(torch.tensor([toks]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(f, torch.cat([hs[2][0], hs[4][0]], -1), atol=1e-4, rtol=1e-4)
+    prop.update(1, toks, len(toks), [], torch.cat([torch.zeros(1, f.shape[1]), f])[:len(toks)])
+    tokens, _ = tp(prop.propose([1]))
+    assert tokens[0].tolist() == _oracle(path, target4, toks, f).argmax(-1).tolist()
+
+    async def go():
+        async with services(target4, "dflash", path, "block8",
+                            draft_kw={"target_embeddings": str(target4)}) as h:
+            assert h["engine"].link.info.target_hidden_layers == (2, 4)
+            async with AsyncTreespecClient(h["addr"]) as c:
+                return await c.generate(prompt_ids=PROMPTS[0], max_tokens=16, ignore_eos=True)
+    out = asyncio.run(go())
+    assert out.token_ids == greedy_reference(target4, PROMPTS[0], 16)
+    assert out.stats["draft_tokens"] > 0 and out.stats["fallback_steps"] == 0
 
 
 def test_greedy_tree_holds_the_best_paths_by_summed_log_prob():

@@ -134,7 +134,8 @@ class Qwen3Model(nn.Module):
                 capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final-normed hidden states [T, hidden] and, for each layer index in
         capture_layers, the residual stream entering that layer [T, hidden]
-        (index num_layers = the output of the last layer, before the final norm)."""
+        (index num_layers: the final-normed hidden states). Index i is transformers'
+        ``output_hidden_states[i]``, the last one included."""
         x = self.embed(fb.input_ids)
         residual: torch.Tensor | None = None
         captured: dict[int, torch.Tensor] = {}
@@ -143,8 +144,8 @@ class Qwen3Model(nn.Module):
                                           cache.v[i], ops)
             if i in capture_layers:
                 captured[i] = entering
-        hidden, captured[self.spec.num_layers] = ops.add_rms_norm(x, residual, self.norm,
-                                                                  self.spec.rms_norm_eps)
+        hidden, _ = ops.add_rms_norm(x, residual, self.norm, self.spec.rms_norm_eps)
+        captured[self.spec.num_layers] = hidden
         return hidden, [captured[i] for i in capture_layers]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
