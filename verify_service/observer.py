@@ -61,7 +61,6 @@ class StepRecord:
     accepted: list[int]              # draft tokens committed (path cut at a stop), bonus excluded
     committed: list[int]             # tokens committed: accepted + bonus, cut at a stop
     fallback: list[str | None]       # why a speculating sequence fell back to plain decode
-    planned_plain: list[bool]        # the controller chose plain decode for it (no fallback)
     reason: str | None               # why the step got no proposal at all (None: it got one,
                                      # or no sequence speculates)
     envelope: TreeEnvelope | None    # the draft's envelope when a proposal was used
@@ -79,6 +78,8 @@ class StepRecord:
     expected: float = 0.0
     cost_s: float | None = None
     rest_floor: int = 0
+    # per sequence: the controller chose plain decode for it (not a fallback)
+    planned_plain: list[bool] = field(default_factory=list)
 
 
 PLANNED_PLAIN = "off_by_controller"     # a plain step the controller chose
