@@ -1,7 +1,8 @@
 """A service that cannot start says why in one line naming the flag, exits 2, no traceback:
 a port in use (by another program or another treespec: our gRPC servers never share a
 port), an address that is not this machine's, and every kind of bad TLS material, on the
-client-facing port of `treespec draft` and `treespec verify` and on the verify's draft hop.
+client-facing port of `treespec draft`, `treespec verify` and `treespec openai`, and on the
+verify's draft hop.
 Real processes through the CLI, loopback only."""
 
 from __future__ import annotations
@@ -155,13 +156,15 @@ def test_a_port_in_use_or_an_address_not_here_is_one_line_and_exit_2(held_port):
         calls = [draft("--port", port), verify("--port", port),
                  draft("--port", taken), verify("--port", taken),
                  draft("--port", "0", "--metrics-port", port),
-                 draft("--port", "0", "--host", NOT_HERE), verify("--port", "0", "--host", NOT_HERE)]
+                 draft("--port", "0", "--host", NOT_HERE), verify("--port", "0", "--host", NOT_HERE),
+                 ("openai", "--verify", "127.0.0.1:1", "--port", port)]
         procs = run_batched(calls)
         assert running.running                    # the first treespec keeps its port
     says = [(f"--port {port}: address already in use",)] * 2 + \
            [(f"--port {taken}: address already in use",)] * 2 + \
            [(f"--metrics-port {port}: address already in use",)] + \
-           [(f"--host {NOT_HERE}", "not an address of this machine")] * 2
+           [(f"--host {NOT_HERE}", "not an address of this machine")] * 2 + \
+           [(f"--port {port}: address already in use",)]
     for proc, words in zip(procs, says):
         assert_one_line(proc, *words)
 

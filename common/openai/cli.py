@@ -49,7 +49,12 @@ def config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from treespec.common.serving.bind import BindError, check_bindable
     cfg = config(args)
+    try:
+        check_bindable(cfg.host, cfg.port, "--port")
+    except BindError as e:
+        raise ConfigError(str(e)) from None
     from treespec.common.openai import server
     try:
         server.run(cfg)
