@@ -10,7 +10,8 @@ units have draft KV. One step over the batch:
    recomputed when they next draft); a row that still does not fit drafts nothing;
 2. *catch up*: a row's units without KV (at least the newest, whose output seeds
    the tree) beyond the step's catch-up length ``depth + 1`` (a new prompt, a
-   resync) are forwarded eagerly first (``_prefill``), writing their KV;
+   resync) are forwarded eagerly first (``_prefill``), writing their KV, in
+   forwards of at most PREFILL_UNITS units (memory linear in the sequence);
 3. *draft*: ONE replay of the subclass's fixed-shape step (``_step_fn``): the last
    1 .. depth + 1 units of each row as a padded chain, then the tree expansion and
    rerank, all on the device. In steady state a row brings the accepted path and
@@ -47,8 +48,11 @@ log = logging.getLogger("treespec.draft")
 
 # warm-up captures every batch bucket up to this one
 WARM_BATCH = 64
-# units one eager catch-up forward takes at most: a long prompt's memory stays bounded
-PREFILL_UNITS = 4096
+# units one eager catch-up forward takes at most: a new or resynced sequence goes
+# through the network this many units at a time, so a forward's activations stay
+# [chunk, ...] and its attention [chunk, context] (the CPU reference also takes those
+# queries in tiles: kernels/reference.py TILE_SCORES)
+PREFILL_UNITS = 1024
 
 
 @dataclass

@@ -87,6 +87,13 @@ def tree_ancestors(chunk_parents: torch.Tensor) -> torch.Tensor:
     return (masks * weights).sum(-1)        # distinct bits: the sum is their OR
 
 
+# score elements (query rows x query heads x keys) one attention tile holds at most: a
+# long chunk's queries are taken in tiles of rows, so its memory is linear in the
+# context, not [chunk, context]. A chunk within one tile is computed in one piece; a
+# tiled row equals its one-piece value up to how the BLAS blocks a product by rows.
+TILE_SCORES = 1 << 20
+
+
 def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor,
                          cu_q: torch.Tensor, chunk_parents: torch.Tensor,
@@ -103,7 +110,6 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty_like(q)
     bs = k_cache.shape[1]
     hq, hkv = q.shape[1], k_cache.shape[2]
-    group = hq // hkv
     flat_k = k_cache.view(-1, hkv, k_cache.shape[-1])
     flat_v = v_cache.view(-1, hkv, v_cache.shape[-1])
     cu = cu_q.tolist()
@@ -115,15 +121,29 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         t = hi - lo
         slots = gather_slots(block_tables[b], 0, ctx[b] + t, bs)
         k, v = flat_k[slots].float(), flat_v[slots].float()        # [S, hkv, D]
-        qb = q[lo:hi].float().view(t, hkv, group, -1)   # q head h: kv head h // group
-        scores = torch.einsum("tkgd,skd->kgts", qb, k) * scale      # [hkv, group, t, S]
-        visible = torch.ones(t, ctx[b] + t, dtype=torch.bool, device=q.device)
-        visible[:, ctx[b]:] = chunk_mask(chunk_parents[lo:hi])
-        visible[chunk_parents[lo:hi] == PAD, :ctx[b]] = False
-        scores = scores.masked_fill(~visible, float("-inf"))
-        o = torch.einsum("kgts,skd->tkgd", scores.softmax(-1), v)   # [t, hkv, group, D]
-        out[lo:hi] = o.reshape(t, hq, -1).to(q.dtype)
+        own = chunk_mask(chunk_parents[lo:hi])                      # [t, t]
+        pad = chunk_parents[lo:hi] == PAD
+        rows = max(1, TILE_SCORES // (hq * (ctx[b] + t)))
+        for r in range(lo, hi, rows):
+            e = min(hi, r + rows)
+            out[r:e] = _attend(q[r:e], k, v, ctx[b], own[r - lo:e - lo], pad[r - lo:e - lo],
+                               scale)
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, own: torch.Tensor,
+            pad: torch.Tensor, scale: float) -> torch.Tensor:
+    """Queries q [n, q_heads, D] over keys and values [S, kv_heads, D] fp32: the first
+    ctx keys (none for the padding rows pad [n]) and the chunk keys own [n, S - ctx]
+    marks. Returns [n, q_heads, D] in q's dtype."""
+    n, hq = q.shape[:2]
+    hkv = k.shape[1]
+    qb = q.float().view(n, hkv, hq // hkv, -1)          # q head h: kv head h // group
+    scores = torch.einsum("tkgd,skd->kgts", qb, k).mul_(scale)     # [hkv, group, n, S]
+    scores[..., ctx:].masked_fill_(~own, float("-inf"))
+    scores[:, :, pad, :ctx] = float("-inf")
+    o = torch.einsum("kgts,skd->tkgd", scores.softmax(-1), v)       # [n, hkv, group, D]
+    return o.reshape(n, hq, -1).to(q.dtype)
 
 
 def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor,
