@@ -332,7 +332,7 @@ def plot(res: dict, path: Path) -> None:
         ax.plot(xs, [rows[str(b)]["tok_s"] for b in xs], style, marker=".", label=key)
     ax.set_xscale("log", base=2)
     ax.set_xticks(bs, [str(b) for b in bs])
-    ax.set_xlabel("batch (concurrent 1024-token prompts)")
+    ax.set_xlabel(f"batch (concurrent {res['ctx']}-token prompts)")
     ax.set_ylabel("tok/s, end to end")
     ax.set_title(f"{res['target']} target on one GPU ({res['date']}); "
                  "random: drafter cost; shadow@k: replay instrument, k+1 tok/step")

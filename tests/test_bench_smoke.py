@@ -209,3 +209,25 @@ def test_pyspy_top_reads_each_process_under_its_own_command(tmp_path):
     assert incl["finish (verify_service/verifier.py)"] == own[
         "finish (verify_service/verifier.py)"] == 30
     assert got['process 1:"bench"'][0] == 7 and not got['process 1:"bench"'][1]
+
+
+def test_drafters_plot_names_the_run_s_prompt_length(monkeypatch, tmp_path):
+    """bench/drafters.py's plot says the prompts are --ctx tokens long (here 24), through a
+    stand-in matplotlib that records what the axes are given."""
+    import types
+    import drafters
+    given: list[str] = []
+
+    class Axes:
+        def __getattr__(self, name):
+            return lambda *args, **kw: given.extend(str(x) for x in args)
+    pyplot = types.SimpleNamespace(subplots=lambda **kw: (
+        types.SimpleNamespace(savefig=lambda *a, **kw: None), Axes()))
+    mpl = types.ModuleType("matplotlib")
+    mpl.use, mpl.pyplot = (lambda backend: None), pyplot
+    monkeypatch.setitem(sys.modules, "matplotlib", mpl)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+    drafters.plot({"target": "tiny", "date": "today", "ctx": 24, "rows": {},
+                   "plain": {"1": {"tok_s": 5.0}}}, tmp_path / "plot.png")
+    labels = " ".join(given)
+    assert "24-token prompts" in labels and "1024" not in labels, labels
