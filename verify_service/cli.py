@@ -16,7 +16,7 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
     v.add_argument("--max-batch", type=int, help="running sequences per step")
     v.add_argument("--max-model-len", type=int, help="0 = the checkpoint's context")
     v.add_argument("--prefill-tokens", type=int,
-                   help="prompt tokens prefilled per iteration (default 2048): a longer "
+                   help="prompt tokens prefilled per iteration (default 4096): a longer "
                         "prompt is prefilled in chunks, between decode steps")
     v.add_argument("--max-prompt-bytes", type=int,
                    help="refuse a text prompt longer than this, unread (default 1 MiB)")

@@ -15,7 +15,7 @@ class VerifyConfig(ServiceConfig):
     num_blocks: int = 4096            # target KV pages
     max_batch: int = 32               # running sequences per step
     max_model_len: int = 0            # 0 = the checkpoint's max_position_embeddings
-    prefill_tokens: int = 2048        # prompt tokens prefilled per engine iteration (chunks)
+    prefill_tokens: int = 4096        # prompt tokens prefilled per engine iteration (chunks)
     max_prompt_bytes: int = 1 << 20   # a text prompt longer than this is refused unread
     max_waiting: int = 1024           # requests queued beyond the batch; more: refused
     step_deadline_ms: float = 100.0   # wait this long for a proposal, then plain decode
