@@ -52,7 +52,7 @@ WARM_BATCH = 64
 # through the network this many units at a time, so a forward's activations stay
 # [chunk, ...] and its attention [chunk, context] (the CPU reference also takes those
 # queries in tiles: kernels/reference.py TILE_SCORES)
-PREFILL_UNITS = 1024
+PREFILL_UNITS = 4096
 
 
 @dataclass
