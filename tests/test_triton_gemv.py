@@ -42,6 +42,21 @@ def test_linear_silu_mul_matches_reference(dtype, tol):
     assert rel_err(gemv.linear_silu_mul(x, w, SMALL), want) < tol
 
 
+def _numpy_matmul_rounds_rows_by_place() -> bool:
+    """Whether this numpy's matmul gives a row different bits at another place in the
+    same tile shape (its BLAS's micro-kernels may): under the interpreter tl.dot is
+    numpy's matmul, so the kernel cannot be held to row invariance there."""
+    import numpy as np
+    g = np.random.default_rng(4)
+    a, b = g.standard_normal((16, 64), np.float32), g.standard_normal((64, 16), np.float32)
+    moved = np.zeros_like(a)
+    moved[0] = a[6]
+    return not np.array_equal(np.matmul(a, b)[6], np.matmul(moved, b)[0])
+
+
+@pytest.mark.skipif(DEV.type != "cuda" and _numpy_matmul_rounds_rows_by_place(),
+                    reason="the interpreter's tl.dot (numpy's matmul) rounds a row by its "
+                           "place in the tile on this machine")
 def test_row_does_not_depend_on_row_count():
     """Within a row class (here up to 16 rows) a row's output is the same alone."""
     g = torch.Generator().manual_seed(4)
