@@ -54,7 +54,7 @@ def _peak_rss_mb(pid: int) -> float:
 
 
 def test_a_long_prompt_neither_stalls_a_stream_nor_grows_memory(long_target):
-    with services.at_once(services.verify_argv(long_target, "--prefill-tokens", "512",
+    with services.at_once(services.verify_argv(long_target, "--prefill-tokens", "128",
                                                "--max-model-len", "32768")) as (verify,):
         with TreespecClient(verify.addr) as client:
             client.wait_ready(60)
