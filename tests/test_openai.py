@@ -3,7 +3,7 @@ draft, a verify (the shipped tiny-code checkpoint, given a chat template here) a
 front, all started through the CLI. Completions equal `treespec generate`'s text for
 the same prompt and settings (greedy and seeded), chat goes through the template,
 usage counts right, stop strings cut exactly, errors come in OpenAI's shape with their
-status, 50 concurrent streams all finish and leave the verify's KV pages at 0, a
+status, 200 concurrent streams all finish and leave the verify's KV pages at 0, a
 client that leaves cancels its generation, SIGTERM lets a stream finish. In process
 (the app over the real verify, or over a scripted client): keys, the shipped
 checkpoint's missing chat template, and the verify statuses a test cannot provoke
@@ -275,9 +275,9 @@ def test_bad_requests(trio):
         c.completions.create(model=c.models.list().data[0].id, prompt="x", n=2)
 
 
-def test_fifty_concurrent_streams_all_finish(trio):
+def test_two_hundred_concurrent_streams_all_finish(trio):
     _, front, metrics_url = trio
-    n, tokens = 50, 12
+    n, tokens = 200, 12
 
     async def one(c: openai.AsyncOpenAI, model: str, i: int) -> tuple[str, str, int]:
         stream = await c.completions.create(
