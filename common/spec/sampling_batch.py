@@ -15,6 +15,7 @@ bits(1.0), 0, 7]]``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ class SamplingBatch:
     def greedy(cls, rows: int) -> SamplingBatch:
         return cls([GREEDY] * rows)
 
-    @property
+    @cached_property
     def width(self) -> int:
         """How the step draws (filter_width): 0 when no row does, so the graph skips it."""
         return filter_width(self.params)
