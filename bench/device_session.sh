@@ -72,6 +72,8 @@ run)
         dstep) timeout "${DSTEP_S:-240}" python3 bench/drafter_step.py \
                    --out "$OUT/drafter_step.json" --work /tmp/bw-drafters ${DSTEP_ARGS:-} \
                    >>"$log" 2>&1 ;;
+        long) timeout "${LONG_S:-480}" python3 bench/long_prompt.py --out "$OUT/long_prompt.json" \
+                  --work /tmp/bw-long ${LONG_ARGS:-} >>"$log" 2>&1 ;;
         sampled) timeout "${SAMPLED_S:-90}" python3 bench/sampled_step.py \
                      --out "$OUT/sampled_step.json" >>"$log" 2>&1 ;;
         profile) timeout "${PROFILE_S:-200}" python3 bench/profile_step.py --out "$OUT" ${PROFILE_ARGS:-} \

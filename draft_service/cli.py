@@ -34,6 +34,10 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
                    help="how model drafters draft a sampling request: sample (default: "
                         "they draw with the request's seeded noise, as its acceptance "
                         "needs) or deterministic (the top-k by log-prob, as for greedy)")
+    d.add_argument("--lookahead", type=int, metavar="K",
+                   help="candidate trees to pre-draft per sequence for its next step while "
+                        "the verify service runs this one (default 0: off; the draft model "
+                        "and n-gram; a hit costs the next step no drafting)")
     d.add_argument("--local-socket", metavar="auto|off|PATH",
                    help="also serve the per-step stream on a Unix socket, which a verify "
                         "service on this host then uses instead of gRPC (default auto: "
@@ -65,7 +69,7 @@ def config(args: argparse.Namespace):
                           **given(args, RUNTIME + ("ngram_max", "ngram_min", "max_sequences",
                                                    "target_embeddings", "local_socket",
                                                    "draft_sampling", "local_socket_uids",
-                                                   "max_model_len")))
+                                                   "max_model_len", "lookahead")))
         if cfg.method == "eagle3":
             from treespec.draft_service.eagle3_head import embedding_source
             embedding_source(resolve_model(cfg.model), cfg.target_embeddings)

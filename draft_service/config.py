@@ -13,6 +13,10 @@ from treespec.common.spec.tree import TreeEnvelope
 METHODS: dict[str, bool] = {"ngram": False, "model": True, "eagle3": True, "dflash": True}
 
 
+# lookahead candidates a sequence may have: each costs a draft step while the target verifies
+MAX_LOOKAHEAD = 8
+
+
 @dataclass(frozen=True, kw_only=True)
 class DraftConfig(ServiceConfig):
     method: str                       # a METHODS name
@@ -27,6 +31,9 @@ class DraftConfig(ServiceConfig):
     # how a model drafter drafts a sampling request: sample (with the request's seeded
     # noise, as its acceptance needs) or deterministic (top-k by log-prob)
     draft_sampling: str = "sample"
+    # candidate trees pre-drafted per sequence for the step after each one, while the
+    # verify service runs it (draft_service/lookahead.py); 0: none
+    lookahead: int = 0
     # also serve Speculate on a Unix socket for a verify service on this host: auto
     # (an abstract socket named after the instance, on Linux; reachable only inside
     # this network namespace, so other hosts and containers keep gRPC), off, or a
@@ -54,6 +61,8 @@ class DraftConfig(ServiceConfig):
         if self.draft_sampling not in ("sample", "deterministic"):
             raise ValueError("--draft-sampling wants sample or deterministic, got "
                              f"{self.draft_sampling!r}")
+        if not 0 <= self.lookahead <= MAX_LOOKAHEAD:
+            raise ValueError(f"--lookahead wants 0 .. {MAX_LOOKAHEAD}, got {self.lookahead}")
         if self.max_sequences < 1 or self.max_model_len < 1:
             raise ValueError("--max-sequences and --max-model-len must be >= 1")
         if self.local_socket in ("", "@"):

@@ -30,14 +30,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from treespec.common.serving.errors import InvalidRequest
-from treespec.common.spec.messages import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
+from treespec.common.spec.messages import (DrafterInfo, Lookahead, SeqUpdate, SpecRequest,
+                                           SpecResponse)
 from treespec.common.spec.tree import TreeBatch, TreeEnvelope
 from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.lookahead import Row, draft_candidates
 from treespec.draft_service.observer import DraftObserver, DraftStepRecord, NullDraftObserver
 from treespec.draft_service.proposer import Proposer, RowSampling
 from treespec.draft_service.registry import build_proposer
@@ -58,6 +60,10 @@ class _SeqState:
     tokens: list[int]               # committed tokens, prompt included
     tree_step: int | None = None    # step id of the last tree emitted for it
     sampling: RowSampling | None = None  # a sampling request's, from its full update
+    tree: tuple[list[int], list[int]] | None = None   # the tree verified this step
+    # lookahead: the step whose outcome the candidates guess, and per candidate its tree
+    cand_step: int | None = None
+    cands: list[tuple[list[int], list[int]]] = field(default_factory=list)
 
 
 def check_request(req: SpecRequest, env: TreeEnvelope, vocab_size: int,
@@ -112,6 +118,11 @@ class DraftEngine:
         self._seqs: OrderedDict[int, _SeqState] = OrderedDict()
         self._slow = 0                  # steps slower than SLOW_STEP_MS
         self.observer: DraftObserver = observer or NullDraftObserver()
+        self.lookahead_k = cfg.lookahead if getattr(self.proposer, "lookahead", False) else 0
+        if cfg.lookahead and not self.lookahead_k:
+            log.warning("--lookahead %d: the %s drafter does not pre-draft (it needs the "
+                        "target's hidden states of the tokens it would guess); drafting "
+                        "when asked", cfg.lookahead, self.proposer.name)
 
     @property
     def info(self) -> DrafterInfo:
@@ -119,7 +130,7 @@ class DraftEngine:
         return DrafterInfo(envelope=self.env, vocab_size=p.vocab_size, proposer=p.name,
                            target_hidden_layers=tuple(p.target_hidden_layers), model=p.model,
                            max_model_len=self.cfg.max_model_len,
-                           projected_width=projected_width(p))
+                           projected_width=projected_width(p), lookahead=self.lookahead_k)
 
     @property
     def num_sequences(self) -> int:
@@ -147,21 +158,26 @@ class DraftEngine:
             evicted = self._evict()
             live = [r for r in live if ids[r] not in evicted]
             trees = TreeBatch.padding(len(ids), self.env.num_nodes)
-            if live:
+            hits = {r: self._hit(req.seqs[r]) for r in live if req.seqs[r].lookahead_hit}
+            drafting = [r for r in live if r not in hits]
+            if drafting:
                 tp0 = time.time_ns()
-                shallow = {"depth": req.max_depth} if getattr(self.proposer, "levels", False) \
-                    and 0 < req.max_depth < self.env.depth else {}
                 trees = self.proposer.propose(
-                    [ids[r] for r in live], self._sampling([ids[r] for r in live]), **shallow)
-                trees = trees.scatter(live, len(ids))
+                    [ids[r] for r in drafting], self._sampling([ids[r] for r in drafting]),
+                    **self._shallow(req))
+                trees = trees.scatter(drafting, len(ids))
                 if 0 < req.max_depth < self.env.depth:      # the rest will not be verified
                     trees = trees.pruned(req.max_depth)
                 tp1 = time.time_ns()
         except Exception:
             self.release(ids)   # never leave a half-applied state behind
             raise
+        rows_t, rows_p = trees.tokens.tolist(), trees.parents.tolist()
         for r in live:
-            self._seqs[ids[r]].tree_step = req.step_id
+            st = self._seqs[ids[r]]
+            st.tree_step = req.step_id
+            st.tree = hits[r] if r in hits else (rows_t[r], rows_p[r])
+            st.cand_step, st.cands = None, []
         live_set = set(live)
         resync = [s for r, s in enumerate(ids) if r not in live_set]
         if resync:
@@ -177,6 +193,52 @@ class DraftEngine:
                          self._slow, SLOW_STEP_MS)
         self.observer.step_finished(DraftStepRecord(req, resp, t0, tp0, tp1, time.time_ns()))
         return resp
+
+    def _shallow(self, req: SpecRequest) -> dict:
+        """propose()'s depth for a levels drafter the request wants shallower."""
+        return {"depth": req.max_depth} if getattr(self.proposer, "levels", False) \
+            and 0 < req.max_depth < self.env.depth else {}
+
+    def _hit(self, u: SeqUpdate) -> tuple[list[int], list[int]] | None:
+        """The candidate tree the verify service says it verifies this step (None: one
+        this engine no longer has, e.g. after a resync or eviction: no lookahead then)."""
+        st = self._seqs[u.seq_id]
+        k = u.lookahead_hit - 1
+        if st.cand_step is None or st.cand_step != u.accepted_step_id or k >= len(st.cands):
+            return None
+        return st.cands[k]
+
+    def lookahead(self, req: SpecRequest) -> Lookahead | None:
+        """Candidates for the step after req, which this engine just answered (None:
+        none asked, or this drafter does not pre-draft). Runs while the verify service
+        verifies req's step."""
+        if not self.lookahead_k:
+            return None
+        rows = []
+        for u in req.seqs:
+            st = self._seqs.get(u.seq_id)
+            if (u.lookahead and st is not None and st.tree is not None
+                    and st.tree_step == req.step_id
+                    and not (st.sampling is not None and st.sampling.rejection)):
+                sampling = self._sampling([u.seq_id])
+                rows.append(Row(u.seq_id, st.tokens, *st.tree, sampling and sampling[0]))
+        if not rows:
+            return None
+        k = self.lookahead_k
+        try:
+            keys, trees = draft_candidates(self.proposer, rows, k, self._shallow(req))
+        except Exception:       # costs the lookahead only: these sequences resync
+            log.exception("lookahead after step %d failed", req.step_id)
+            self.release([r.seq_id for r in rows])
+            return None
+        if 0 < req.max_depth < self.env.depth:
+            trees = trees.pruned(req.max_depth)
+        tt, pp = trees.tokens.tolist(), trees.parents.tolist()
+        for b, r in enumerate(rows):
+            st = self._seqs[r.seq_id]
+            st.cand_step = req.step_id
+            st.cands = [(tt[b * k + j], pp[b * k + j]) for j in range(k)]
+        return Lookahead(req.step_id, [r.seq_id for r in rows], trees, keys)
 
     def _stage_hidden(self, updates: list[SeqUpdate]) -> None:
         """The updates' hidden rows onto the drafter's device, copies issued together

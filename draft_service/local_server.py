@@ -152,7 +152,7 @@ class _Connection:
             self.order.check(msg.step_id)
             if self.shared is not None:
                 self.shared.unlink()          # the verify service has mapped it by now
-            reply = (await self.servicer.answer(msg, received, self.shared)).SerializeToString()
+            reply, req = await self.servicer.answer(msg, received, self.shared)
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception as e:  # noqa: BLE001 - mapped to an error frame, never swallowed
@@ -160,8 +160,16 @@ class _Connection:
             return
         if self.writer.is_closing():      # the stream ended while this step ran
             return
-        self.writer.writelines(frames.pack(frames.MESSAGE, reply))
+        self.writer.writelines(frames.pack(frames.MESSAGE, reply.SerializeToString()))
         await self.writer.drain()
+        try:
+            ahead = await self.servicer.lookahead(req)
+        except Exception as e:  # noqa: BLE001 - as a step's failure
+            await self.fail(e)
+            return
+        if ahead is not None and not self.writer.is_closing():
+            self.writer.writelines(frames.pack(frames.MESSAGE, ahead.SerializeToString()))
+            await self.writer.drain()
 
     async def fail(self, e: Exception) -> None:
         """End the stream with an error frame, as a gRPC stream ends with a status."""

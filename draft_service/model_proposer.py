@@ -49,6 +49,7 @@ class _Seq(DraftSeq):
 class ModelProposer(KVDrafter):
     name = "model"
     levels = True
+    lookahead = True            # update() rolls guessed units' KV back (draft_service/lookahead.py)
 
     def __init__(self, model: Qwen3Model, env: TreeEnvelope, ops: ModuleType,
                  num_blocks: int, block_size: int, model_name: str = "") -> None:

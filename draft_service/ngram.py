@@ -66,6 +66,7 @@ class NgramProposer:
 
     name = "ngram"
     light = True
+    lookahead = True            # update() takes guessed tokens back (draft_service/lookahead.py)
     vocab_size = 0
     target_hidden_layers: tuple[int, ...] = ()
     model = ""
@@ -83,7 +84,10 @@ class NgramProposer:
     def update(self, seq_id: int, tokens: list[int], new_count: int,
                accepted_nodes: list[int], hidden: torch.Tensor | None) -> None:
         index = self._index.get(seq_id)
-        if index is None or len(index) != len(tokens) - new_count:
+        old = len(tokens) - new_count
+        if index is not None and len(index) > old:     # a lookahead's guesses, taken back
+            index.truncate(old)
+        if index is None or len(index) != old:
             index = self._index[seq_id] = NgramIndex(self.n_min, self.n_max)
             new_count = len(tokens)
         index.extend(tokens[len(tokens) - new_count:])

@@ -36,6 +36,11 @@ class NgramIndex:
         self._words += array("i", new).tobytes()
         self.tokens.extend(new)
 
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens (a lookahead's guesses are taken back)."""
+        del self.tokens[n:]
+        del self._words[n * WORD:]
+
     def matches(self, per_n: int) -> Iterator[int]:
         """Continuation starts of earlier occurrences of the sequence's suffix.
 

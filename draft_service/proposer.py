@@ -62,6 +62,9 @@ class Proposer(Protocol):
                                              # servicer runs it on its event loop
     # optional: levels = True when propose takes depth= (the verify takes nothing deeper;
     # such a drafter expands fewer levels, at fewer forwards); the others are pruned.
+    # optional: lookahead = True when update() may be handed tokens that a later update
+    # takes back (fewer committed tokens than it last saw: drop what came after them);
+    # only such a drafter pre-drafts candidates (draft_service/lookahead.py)
     # optional: projection, a [width, layers * hidden] tensor: the proposer's first use
     # of hidden states is x @ projection.T, and it takes them either way
 

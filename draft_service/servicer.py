@@ -6,7 +6,9 @@ thread shared by all streams (the engine is single threaded), so the event loop
 stays free for other RPCs, except for a ``light`` proposer (n-gram lookups:
 host work far under a millisecond), whose steps run on the event loop itself:
 the hop is on every step's critical path, and the hand-off to a worker and back
-costs two thread wake-ups. Errors are raised, never caught here: the server's
+costs two thread wake-ups. With ``--lookahead`` an answer is followed by a second
+message, the next step's candidate trees (draft_service/lookahead.py), drafted after
+the answer has left. Errors are raised, never caught here: the server's
 interceptor maps InvalidRequest / CodecError to INVALID_ARGUMENT.
 
 Malformed (the stream ends with INVALID_ARGUMENT): a step_id that does not
@@ -25,6 +27,7 @@ import grpc
 
 from treespec.common.wire import codec, frames, convert as wire
 from treespec.common.serving.errors import InvalidRequest
+from treespec.common.spec.messages import SpecRequest
 from treespec.common.wire.shared_buffer import SharedBuffer
 from treespec.draft_service.engine import DraftEngine
 from treespec.protos.treespec.v1 import treespec_pb2 as pb
@@ -80,28 +83,52 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         async for msg in request_iterator:
             received = time.time_ns()
             order.check(msg.step_id)
-            yield await self.answer(msg, received)
+            reply, req = await self.answer(msg, received)
+            yield reply
+            ahead = await self.lookahead(req)
+            if ahead is not None:
+                yield ahead
 
     async def answer(self, msg: pb.SpeculateRequest, received_ns: int,
-                     shared: SharedBuffer | None = None) -> pb.Proposal:
+                     shared: SharedBuffer | None = None
+                     ) -> tuple[pb.Proposal, SpecRequest | None]:
         """One step of a Speculate stream, whichever carrier brought it (this gRPC
         stream or treespec.draft_service.local_server's Unix socket, with its shared buffer),
         stamped with when its request was read (received_ns) and when the answer
-        leaves."""
+        leaves; and the request as the engine took it (None for a no-op)."""
+        req = None
         if not msg.sequences and not msg.released:      # a no-op (see the proto)
             reply = pb.Proposal(step_id=msg.step_id)
         elif self._inline:
-            reply = self._step(msg, shared)
+            reply, req = self._step(msg, shared)
         else:
-            reply = await asyncio.get_running_loop().run_in_executor(self._worker, self._step,
-                                                                     msg, shared)
+            reply, req = await asyncio.get_running_loop().run_in_executor(
+                self._worker, self._step, msg, shared)
         reply.received_unix_ns = received_ns
+        reply.sent_unix_ns = time.time_ns()
+        return reply, req
+
+    async def lookahead(self, req: SpecRequest | None) -> pb.Proposal | None:
+        """The lookahead that follows the step req, once its answer has left (None: it
+        asked for none); the verify service runs that step meanwhile, and the stream's
+        next request waits for this."""
+        if req is None or not self.engine.lookahead_k:
+            return None
+        if self._inline:
+            ahead = self.engine.lookahead(req)
+        else:
+            ahead = await asyncio.get_running_loop().run_in_executor(
+                self._worker, self.engine.lookahead, req)
+        if ahead is None:
+            return None
+        reply = wire.lookahead_to_pb(ahead)
         reply.sent_unix_ns = time.time_ns()
         return reply
 
     def _step(self, msg: pb.SpeculateRequest, shared: SharedBuffer | None = None
-              ) -> pb.Proposal:
-        return wire.response_to_pb(self.engine.step(wire.spec_request_from_pb(msg, shared)))
+              ) -> tuple[pb.Proposal, SpecRequest]:
+        req = wire.spec_request_from_pb(msg, shared)
+        return wire.response_to_pb(self.engine.step(req)), req
 
     def close(self) -> None:
         """Stop the worker thread (after the server has stopped)."""

@@ -26,6 +26,7 @@ from treespec.common.serving.grpc_server import MESSAGE_LIMITS
 from treespec.common.serving.auth import metadata
 from treespec.common.wire.shared_buffer import SharedBuffer
 from treespec.common.spec.messages import DrafterInfo
+from treespec.common.spec.tree import TreeBatch
 from treespec.common.serving.tls import ClientTLS, channel
 from treespec.protos.treespec.v1 import treespec_pb2 as pb
 from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
@@ -81,6 +82,9 @@ class DraftLink:
         self._blind, self._blind_fresh = 0, False
         self.unwaited_s = [0.0, 0.0]
         self._down: str | None = None          # why the draft is unreachable, last logged
+        # the lookahead awaited (it follows the answer to this step), set once it lands
+        self._ahead_step: int | None = None
+        self._ahead: asyncio.Future | None = None
         self._closed = False
 
     @property
@@ -123,6 +127,9 @@ class DraftLink:
         self._outstanding = None
         if self._waiter is not None:
             _settle(self._waiter, _DROPPED)
+        if self._ahead is not None:
+            _settle(self._ahead, None)
+        self._ahead_step = self._ahead = None
         if call is not None:
             call.cancel()
         if channel is not None:
@@ -168,11 +175,13 @@ class DraftLink:
         self._call = await self._open_local(info_pb) or stub.Speculate(metadata=self._md)
         self.carrier = "unix socket" if isinstance(self._call, frames.FrameStream) else "grpc"
         self.sync.reset(self._attach_shared(info), projection)
+        self.sync.lookahead = info.lookahead
         self.catch_up_rate, self._down = None, None     # another draft: measured afresh
-        log.info("draft %s connected: %s, envelope %s, steps by %s%s%s", self.addr,
+        log.info("draft %s connected: %s, envelope %s, steps by %s%s%s%s", self.addr,
                  info.proposer, info.envelope, self.carrier,
                  ", hidden states through shared memory" if self.sync.shared else "",
-                 ", projected" if projection is not None else "")
+                 ", projected" if projection is not None else "",
+                 f", lookahead {info.lookahead}" if info.lookahead else "")
         async for msg in self._call:
             self._deliver(msg)
         raise RuntimeError("draft closed the Speculate stream")
@@ -238,6 +247,9 @@ class DraftLink:
         its resync list is applied. The draft's time on a request no step waited for (sent
         without waiting, or past its deadline) adds to unwaited_s, new prompts' apart: on
         a GPU it shares, the steps beside it paid for it."""
+        if msg.lookahead:
+            self._take_ahead(msg)
+            return
         if msg.step_id != self._outstanding:
             return
         step, new, t_sent = self._sent
@@ -254,6 +266,48 @@ class DraftLink:
             self._outstanding = None
             self.sync.resync(list(msg.resync))
 
+    def _take_ahead(self, msg: pb.Proposal) -> None:
+        """The lookahead awaited, kept for the next step (a late or undecodable one is
+        dropped: that step drafts as usual)."""
+        if msg.step_id != self._ahead_step:
+            return
+        try:
+            ahead = wire.lookahead_from_pb(msg, self._info.lookahead)
+        except codec.CodecError as e:
+            log.warning("draft sent an undecodable lookahead: %s", e)
+            ahead = None
+        self.sync.take_ahead(ahead)
+        self._ahead_step = None
+        if self._ahead is not None:
+            _settle(self._ahead, ahead)
+
+    async def _await_ahead(self) -> None:
+        """The lookahead that follows the last step's answer, waited for up to the
+        deadline (the draft drafted it while the target verified: in time, it is here)."""
+        fut = self._ahead
+        if fut is None:
+            return
+        if not fut.done():
+            try:
+                if self.busy_poll:
+                    await asyncio.wait_for(spin_until(fut.done), self.deadline_s)
+                else:
+                    await asyncio.wait_for(asyncio.shield(fut), self.deadline_s)
+            except asyncio.TimeoutError:
+                self._ahead_step = None             # too late to use: dropped when it lands
+                self.sync.take_ahead(None)
+        self._ahead = None
+
+    def _expect_ahead(self, out: Outgoing | None) -> None:
+        """The next step waits for the lookahead out asks for (None, or one asking for
+        none: it waits for none, and none is used)."""
+        if out is not None and out.asks_ahead:
+            self._ahead_step = out.request.step_id
+            self._ahead = asyncio.get_running_loop().create_future()
+        else:
+            self._ahead_step = self._ahead = None
+            self.sync.take_ahead(None)
+
     def take_unwaited(self) -> tuple[float, float]:
         """See treespec.verify_service.drafter.Drafter.take_unwaited."""
         spent, self.unwaited_s = tuple(self.unwaited_s), [0.0, 0.0]
@@ -267,6 +321,7 @@ class DraftLink:
         without waiting (waiting, the whole batch commits nothing meanwhile)."""
         if not self.ready:
             return Drafted(None, "disconnected")
+        await self._await_ahead()
         if self._outstanding is not None:
             return Drafted(None, "busy")     # the draft is still on a step that timed out
         out = self.sync.request(seqs, bool(self._info.target_hidden_layers), trace, depth)
@@ -274,11 +329,16 @@ class DraftLink:
         new = sum(len(u.new_tokens) for u in out.request.seqs)
         self._sent = (step, new, time.time_ns())
         if out.rows and set(out.rows) <= set(out.syncing):
+            self.sync.take_ahead(None)
             return await self._send_only(seqs, out)
+        self._expect_ahead(out)
+        if out.rows and len(out.hits) == len(out.rows):
+            return await self._send_ahead(seqs, out)
         late = self.deadline_s / 2 if step_s is None else min(step_s, self.deadline_s / 2)
         if (self.catch_up_rate and out.catch_up(self._info.envelope.depth)
                 and new / self.catch_up_rate > late):
             out.syncing = list(out.rows)    # its trees would come too late to wait for
+            self._expect_ahead(None)
             return await self._send_only(seqs, out)
         loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
@@ -299,6 +359,7 @@ class DraftLink:
             self._waiter = None
             self.sync.sent(seqs, out)
         if msg is _EXPIRED or msg is _DROPPED:
+            self._expect_ahead(None)        # the lookahead after a late answer: unused
             if msg is _DROPPED:
                 self._outstanding = None
             else:                           # its time counts once it answers
@@ -326,8 +387,33 @@ class DraftLink:
         trees, syncing = resp.trees, set(out.syncing)
         if not self.sync.rejection:         # coupled acceptance never reads q
             trees.q_ids = trees.q_probs = None
+        for j, i in enumerate(out.rows):    # a hit's row came padding: the candidate
+            if i in out.hits and j < len(trees):
+                trees.tokens[j] = out.ahead.trees.tokens[out.hits[i]]
+                trees.parents[j] = out.ahead.trees.parents[out.hits[i]]
         keep = [j for j, i in enumerate(out.rows) if i not in syncing]
         return Drafted(trees.take(keep) if syncing else trees, step_id=step, stamps=stamps,
                        syncing=out.syncing, hidden_bytes=out.hidden_bytes,
                        catch_up=out.catch_up(self._info.envelope.depth), fresh=out.fresh,
-                       rows=[out.rows[j] for j in keep])
+                       rows=[out.rows[j] for j in keep], lookahead_hits=len(out.hits),
+                       lookahead_misses=out.misses)
+
+    async def _send_ahead(self, seqs: list[Sequence], out: Outgoing) -> Drafted:
+        """A request whose every row's tree is a lookahead candidate: nothing to wait
+        for, so it is sent and the step goes on (its answer, all padding, only frees the
+        draft; the lookahead that follows is what the next step waits for)."""
+        self._outstanding = out.request.step_id
+        t_sent = time.time_ns()
+        try:
+            await self._call.write(wire.spec_request_to_pb(out.request, self.sync.shared))
+        except Exception as e:
+            log.warning("draft write failed: %s", e)
+            self._outstanding = None
+            return Drafted(None, "disconnected", step_id=out.request.step_id)
+        finally:
+            self.sync.sent(seqs, out)
+        rows = sorted(out.hits)
+        t = out.ahead.trees.take([out.hits[i] for i in rows])
+        return Drafted(TreeBatch(t.tokens.clone(), t.parents.clone()),
+                       step_id=out.request.step_id, stamps=(t_sent, t_sent, 0, 0),
+                       rows=rows, lookahead_hits=len(rows))

@@ -28,14 +28,14 @@ bytes, so a prompt also takes that many fewer steps to cross.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from treespec.common.wire.codec import Staging
 from treespec.common.wire.shared_buffer import SharedBuffer
-from treespec.common.spec.messages import SeqUpdate, SpecRequest
+from treespec.common.spec.messages import Lookahead, SeqUpdate, SpecRequest
 
 if TYPE_CHECKING:
     from treespec.verify_service.sequence import Sequence
@@ -66,10 +66,28 @@ class Outgoing:
     ends: list[int]                 # per row: committed tokens the draft holds after it
     hidden_bytes: int = 0           # target hidden states it carries
     fresh: bool = False             # some sequence's prompt goes (in part): new to the draft
+    # rows (indices) whose tree is a lookahead candidate: row -> its row in `ahead`
+    hits: dict[int, int] = field(default_factory=dict)
+    misses: int = 0                 # rows with candidates, none of them the outcome
+    ahead: Lookahead | None = None  # the lookahead the hits come from
+    asks_ahead: bool = False        # some row wants candidates for its next step
 
     def catch_up(self, depth: int) -> bool:
         """Whether a sequence gets more new tokens than a step of depth commits."""
         return any(len(u.new_tokens) > depth + 1 for u in self.request.seqs)
+
+
+@dataclass
+class _Hits:
+    """A sequence's lookahead record: steps with candidates, and a moving hit rate."""
+    tries: int = 0
+    rate: float = 0.5
+
+
+# lookahead per sequence: after LOOKAHEAD_TRIES steps with candidates, a sequence whose
+# moving hit rate (weight LOOKAHEAD_WEIGHT on the newest) is under LOOKAHEAD_FLOOR asks for
+# none, but for one step in LOOKAHEAD_RETRY (its text may turn predictable again)
+LOOKAHEAD_TRIES, LOOKAHEAD_WEIGHT, LOOKAHEAD_FLOOR, LOOKAHEAD_RETRY = 8, 1 / 4, 0.05, 64
 
 
 class DraftSync:
@@ -84,6 +102,10 @@ class DraftSync:
         self._released: list[int] = []
         self._staging = Staging()
         self.projection: torch.Tensor | None = None   # the draft's, as given
+        self.lookahead = 0                  # candidates the draft pre-drafts a sequence
+        self.ahead: Lookahead | None = None            # the newest lookahead received
+        self._ahead_rows: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+        self._hits: dict[int, _Hits] = {}
 
     def reset(self, shared: SharedBuffer | None = None,
               projection: torch.Tensor | None = None) -> None:
@@ -92,6 +114,8 @@ class DraftSync:
         self.epoch += 1
         self._cursors.clear()
         self._released = []
+        self.take_ahead(None)
+        self._hits.clear()
         self.use_shared(shared)
         self.projection = projection
 
@@ -103,6 +127,32 @@ class DraftSync:
         if w.device != row.device or w.dtype != row.dtype:
             w = self.projection = w.to(row.device, row.dtype)
         return w
+
+    def take_ahead(self, ahead: Lookahead | None) -> None:
+        """The draft's newest lookahead (None: forget the last)."""
+        self.ahead = ahead
+        self._ahead_rows = {} if ahead is None else ahead.candidates(self.lookahead)
+
+    def _match(self, s: Sequence, c: _Cursor | None, end: int) -> tuple[bool, int | None]:
+        """Whether s has candidates for this step, and the lookahead row of the one
+        whose key is what s committed since its last tree (None: none is)."""
+        if c is None or self.ahead is None or self.ahead.step_id != c.tree_step:
+            return False, None
+        cands = self._ahead_rows.get(s.seq_id)
+        if not cands or end != len(s.tokens):
+            return False, None
+        new = tuple(s.tokens[c.sent:end])
+        row = next((r for key, r in cands if key == new), None)
+        h = self._hits.setdefault(s.seq_id, _Hits())
+        h.tries += 1
+        h.rate += LOOKAHEAD_WEIGHT * ((row is not None) - h.rate)
+        return True, row
+
+    def _wants_ahead(self, s: Sequence) -> bool:
+        h = self._hits.get(s.seq_id)
+        return bool(self.lookahead) and (
+            h is None or h.tries < LOOKAHEAD_TRIES or h.rate >= LOOKAHEAD_FLOOR
+            or self.step_id % LOOKAHEAD_RETRY == 0)
 
     def use_shared(self, shared: SharedBuffer | None) -> None:
         if self.shared is not None:
@@ -141,6 +191,12 @@ class DraftSync:
                     out.syncing.append(i)
                 parts.append(update_rows(s, sent, end))
                 budget -= parts[-1].shape[0] * row_bytes
+            tried, hit = self._match(s, c, end)
+            if hit is not None:
+                out.hits[i] = hit
+            out.misses += tried and hit is None
+            wants = self._wants_ahead(s) and end == len(s.tokens)
+            out.asks_ahead |= wants
             out.rows.append(i)
             out.ends.append(end)
             out.request.seqs.append(SeqUpdate(
@@ -148,7 +204,10 @@ class DraftSync:
                 full=sent == 0, accepted_nodes=s.accepted_path if c is not None else [],
                 accepted_step_id=c.tree_step if c is not None else 0,
                 sampling=s.sampling if sent == 0 and not s.sampling.greedy else None,
-                rejection=self.rejection))
+                rejection=self.rejection,
+                lookahead_hit=0 if hit is None else hit % self.lookahead + 1,
+                lookahead=wants))
+        out.ahead = self.ahead
         if parts:
             place = self._staging.host_copy if self.shared is None else self.shared.place
             for u, r in zip(out.request.seqs, to_host(parts, place, proj)):
@@ -174,6 +233,7 @@ class DraftSync:
     def release(self, seq_ids: list[int]) -> None:
         """These ended; the draft hears it with the next request."""
         for i in seq_ids:
+            self._hits.pop(i, None)
             if self._cursors.pop(i, None) is not None:
                 self._released.append(i)
 

@@ -48,6 +48,10 @@ class Drafted:
     fresh: bool = False                     # ... and some sequence was new to the draft
     # which of the sequences asked (indices) the trees' rows are for; None: all, in order
     rows: list[int] | None = None
+    # rows whose tree is a lookahead candidate (drafted while the last step verified),
+    # and rows that had candidates but none for the step's outcome
+    lookahead_hits: int = 0
+    lookahead_misses: int = 0
 
 
 class Drafter(Protocol):

@@ -64,6 +64,7 @@ class VerifyEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.fallbacks: Counter[str] = Counter()
+        self.lookahead: Counter[str] = Counter()     # sequence-steps: "hits", "misses"
         self.limits: Counter[str] = Counter()     # times a request waited, by limiting flag
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -263,6 +264,8 @@ class VerifyEngine:
         t_verified = time.time_ns()
         rows = self._commit(step, result)
         self._teach_controller(step, result)
+        self.lookahead["hits"] += step.drafted.lookahead_hits
+        self.lookahead["misses"] += step.drafted.lookahead_misses
         if isinstance(self.observer, NullObserver):
             return                       # telemetry off: not even a record is built
         envelope = self.link.info.envelope if step.batch.trees is not None else None

@@ -94,6 +94,12 @@ class VerifyMetrics(EngineObserver):
         self.planned_plain = counter("treespec:spec_decode_planned_plain_steps",
                                      "Sequence-steps the controller chose to run as plain "
                                      "decode.")
+        self.lookahead_hits = counter("treespec:lookahead_hits",
+                                      "Sequence-steps whose tree the draft pre-drafted while "
+                                      "the step before verified.")
+        self.lookahead_misses = counter("treespec:lookahead_misses",
+                                        "Sequence-steps with pre-drafted trees, none for the "
+                                        "outcome (drafted when asked).")
         self.sequence_steps = counter("treespec:sequence_steps",
                                       "Decode steps summed over sequences.")
         self.hop = seconds("treespec:draft_hop_seconds", "Speculate round trip per step.")
@@ -180,6 +186,9 @@ class VerifyMetrics(EngineObserver):
             if fallback is not None:                        # per sequence (64 at b64)
                 self._fallback.labels(self.model_name, fallback).inc(n)
         self.planned_plain.inc(sum(r.planned_plain))
+        if r.lookahead_hits or r.lookahead_misses:
+            self.lookahead_hits.inc(r.lookahead_hits)
+            self.lookahead_misses.inc(r.lookahead_misses)
         got = [a for d, a in zip(r.drafted, r.accepted) if d]   # each sum once a step
         if got:
             self.num_drafts.inc(len(got))

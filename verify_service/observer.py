@@ -80,6 +80,10 @@ class StepRecord:
     rest_floor: int = 0
     # per sequence: the controller chose plain decode for it (not a fallback)
     planned_plain: list[bool] = field(default_factory=list)
+    # sequences whose tree was pre-drafted while the last step verified (lookahead), and
+    # sequences that had such candidates but none for the step's outcome
+    lookahead_hits: int = 0
+    lookahead_misses: int = 0
 
 
 PLANNED_PLAIN = "off_by_controller"     # a plain step the controller chose
@@ -142,7 +146,8 @@ def step_record(drafted: Drafted, plan: Plan, batch: int, rows: list[CommittedRo
         reason=drafted.fallback, envelope=envelope, t_start=t0, t_drafted=t1, t_verified=t2,
         t_end=t3, hop_parts=hop_parts(t0, t1, drafted.stamps) if drafted.step_id else {},
         hidden_bytes=drafted.hidden_bytes, budget=plan.depth, expected=plan.expected,
-        cost_s=plan.cost_s, rest_floor=plan.rest_floor)
+        cost_s=plan.cost_s, rest_floor=plan.rest_floor,
+        lookahead_hits=drafted.lookahead_hits, lookahead_misses=drafted.lookahead_misses)
 
 
 class EngineObserver:

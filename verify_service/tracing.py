@@ -100,6 +100,8 @@ class VerifyTracer(EngineObserver):
             draft.set_attribute("treespec.step_id", r.step_id)
             if r.reason:
                 draft.set_attribute("treespec.fallback_reason", r.reason)
+            draft.set_attributes({"treespec.lookahead.hits": r.lookahead_hits,
+                                  "treespec.lookahead.misses": r.lookahead_misses})
             draft.end(end_time=r.t_drafted)
         per_seq = {"treespec.seq_ids": r.seq_ids,
                    "treespec.accepted_depth": r.depth,
@@ -116,7 +118,9 @@ class VerifyTracer(EngineObserver):
                  "treespec.fallback": [f or "" for f in r.fallback],
                  "treespec.budget.depth": r.budget,
                  "treespec.budget.expected_tokens": r.expected,
-                 "treespec.budget.rest_floor": r.rest_floor}
+                 "treespec.budget.rest_floor": r.rest_floor,
+                 "treespec.lookahead.hits": r.lookahead_hits,
+                 "treespec.lookahead.misses": r.lookahead_misses}
         if r.cost_s is not None:
             attrs["treespec.budget.step_seconds"] = r.cost_s
         if r.envelope is not None:

@@ -25,6 +25,8 @@ class SeqUpdate:
     hidden: torch.Tensor | None = None  # [len(new_tokens), layers * hidden]
     sampling: SamplingParams | None = None  # full updates of a sampling request only
     rejection: bool = False       # with sampling: accepted by rejection sampling (else coupled)
+    lookahead_hit: int = 0        # k + 1: this step verifies lookahead candidate k (no tree)
+    lookahead: bool = False       # pre-draft candidates for the next step
 
 
 @dataclass
@@ -47,6 +49,29 @@ class SpecResponse:
     resync: list[int] = field(default_factory=list)
 
 
+@dataclass
+class Lookahead:
+    """What the draft pre-drafted, after answering step_id, for the step after it: per
+    sequence in seq_ids, K candidate trees (``trees`` row b * K + k; all padding: none),
+    each for the outcome whose committed tokens are its key (``keys`` [B * K, depth + 1],
+    padded with -1)."""
+
+    step_id: int
+    seq_ids: list[int]
+    trees: TreeBatch
+    keys: torch.Tensor
+
+    def candidates(self, per_seq: int) -> dict[int, list[tuple[tuple[int, ...], int]]]:
+        """seq_id -> [(key, row of trees)] of its non-empty candidates."""
+        valid = self.trees.num_valid()
+        keys = self.keys.tolist()
+        out: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+        for b, s in enumerate(self.seq_ids):
+            rows = range(b * per_seq, (b + 1) * per_seq)
+            out[s] = [(tuple(t for t in keys[r] if t >= 0), r) for r in rows if valid[r]]
+        return out
+
+
 @dataclass(frozen=True)
 class DrafterInfo:
     envelope: TreeEnvelope
@@ -56,3 +81,4 @@ class DrafterInfo:
     model: str = ""
     max_model_len: int = 0          # committed tokens a sequence may have (0: no limit)
     projected_width: int = 0        # hidden states it also takes projected (see the proto)
+    lookahead: int = 0              # candidate trees pre-drafted per sequence (0: none)

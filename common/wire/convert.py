@@ -7,7 +7,8 @@ import torch
 from treespec.common.wire import codec
 from treespec.common.spec.sampling import SamplingParams
 from treespec.common.wire.shared_buffer import SharedBuffer
-from treespec.common.spec.messages import DrafterInfo, SeqUpdate, SpecRequest, SpecResponse
+from treespec.common.spec.messages import (DrafterInfo, Lookahead, SeqUpdate, SpecRequest,
+                                           SpecResponse)
 from treespec.common.spec.tree import TreeBatch, TreeEnvelope
 from treespec.protos.treespec.v1 import treespec_pb2 as pb
 
@@ -24,14 +25,14 @@ def drafter_info_to_pb(i: DrafterInfo) -> pb.DrafterInfo:
     return pb.DrafterInfo(envelope=envelope_to_pb(i.envelope), vocab_size=i.vocab_size,
                           proposer=i.proposer, target_hidden_layers=list(i.target_hidden_layers),
                           model=i.model, max_model_len=i.max_model_len,
-                          projected_width=i.projected_width)
+                          projected_width=i.projected_width, lookahead=i.lookahead)
 
 
 def drafter_info_from_pb(m: pb.DrafterInfo) -> DrafterInfo:
     return DrafterInfo(envelope=envelope_from_pb(m.envelope), vocab_size=m.vocab_size,
                        proposer=m.proposer, target_hidden_layers=tuple(m.target_hidden_layers),
                        model=m.model, max_model_len=m.max_model_len,
-                       projected_width=m.projected_width)
+                       projected_width=m.projected_width, lookahead=m.lookahead)
 
 
 def spec_request_to_pb(r: SpecRequest, shared: SharedBuffer | None = None
@@ -43,7 +44,8 @@ def spec_request_to_pb(r: SpecRequest, shared: SharedBuffer | None = None
     for u in r.seqs:
         s = add(seq_id=u.seq_id, committed_len=u.committed_len, new_tokens=u.new_tokens,
                 full=u.full, accepted_nodes=u.accepted_nodes,
-                accepted_step_id=u.accepted_step_id)
+                accepted_step_id=u.accepted_step_id, lookahead_hit=u.lookahead_hit,
+                lookahead=u.lookahead)
         if u.hidden is not None:
             s.hidden_states.CopyFrom(codec.encode(u.hidden, shared))
         if u.sampling is not None:
@@ -63,7 +65,8 @@ def spec_request_from_pb(m: pb.SpeculateRequest, shared: SharedBuffer | None = N
                       hidden=codec.decode(u.hidden_states, shared=shared)
                       if u.HasField("hidden_states") else None,
                       sampling=_sampling(u.sampling) if u.HasField("sampling") else None,
-                      rejection=u.rejection_sampling)
+                      rejection=u.rejection_sampling, lookahead_hit=u.lookahead_hit,
+                      lookahead=u.lookahead)
             for u in m.sequences]
     return SpecRequest(step_id=m.step_id, seqs=seqs, released=list(m.released),
                        trace_context=dict(m.trace_context), max_depth=m.max_depth)
@@ -84,6 +87,29 @@ def response_to_pb(r: SpecResponse) -> pb.Proposal:
         m.q_ids.CopyFrom(codec.encode(t.q_ids.to(torch.int32)))
         m.q_probs.CopyFrom(codec.encode(t.q_probs.to(torch.float32)))
     return m
+
+
+def lookahead_to_pb(r: Lookahead) -> pb.Proposal:
+    m = pb.Proposal(step_id=r.step_id, seq_ids=r.seq_ids, lookahead=True,
+                    tokens=codec.encode(r.trees.tokens.to(torch.int32)),
+                    parents=codec.encode(r.trees.parents.to(torch.int32)))
+    m.lookahead_keys.CopyFrom(codec.encode(r.keys.to(torch.int32)))
+    return m
+
+
+def lookahead_from_pb(m: pb.Proposal, per_seq: int) -> Lookahead:
+    """Raises codec.CodecError on tensors that are not int32 of [len(seq_ids) * per_seq,
+    ...] rows."""
+    tokens = codec.decode(m.tokens, expect_dtype=torch.int32)
+    parents = codec.decode(m.parents, expect_dtype=torch.int32)
+    keys = codec.decode(m.lookahead_keys, expect_dtype=torch.int32)
+    rows = len(m.seq_ids) * per_seq
+    if tokens.dim() != 2 or tokens.shape != parents.shape or tokens.shape[0] != rows \
+            or keys.dim() != 2 or keys.shape[0] != rows:
+        raise codec.CodecError(f"lookahead of {len(m.seq_ids)} sequences x {per_seq} "
+                               f"candidates with tensors {tuple(tokens.shape)}, "
+                               f"{tuple(parents.shape)}, {tuple(keys.shape)}")
+    return Lookahead(m.step_id, list(m.seq_ids), TreeBatch(tokens, parents), keys)
 
 
 def response_from_pb(m: pb.Proposal) -> SpecResponse:

@@ -137,7 +137,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("envelope", "vocab_size", "proposer", "target_hidden_layers", "model", "local_socket", "instance_id", "max_model_len", "projected_width")
+    __slots__ = ("envelope", "vocab_size", "proposer", "target_hidden_layers", "model", "local_socket", "instance_id", "max_model_len", "projected_width", "lookahead")
     ENVELOPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class DrafterInfo(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     PROJECTED_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     envelope: TreeEnvelope
     vocab_size: int
     proposer: str
@@ -156,14 +157,15 @@ class DrafterInfo(_message.Message):
     instance_id: str
     max_model_len: int
     projected_width: int
-    def __init__(self, envelope: _Optional[_Union[TreeEnvelope, _Mapping]] = ..., vocab_size: _Optional[int] = ..., proposer: _Optional[str] = ..., target_hidden_layers: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., local_socket: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., projected_width: _Optional[int] = ...) -> None: ...
+    lookahead: int
+    def __init__(self, envelope: _Optional[_Union[TreeEnvelope, _Mapping]] = ..., vocab_size: _Optional[int] = ..., proposer: _Optional[str] = ..., target_hidden_layers: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., local_socket: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., projected_width: _Optional[int] = ..., lookahead: _Optional[int] = ...) -> None: ...
 
 class ProjectionRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "new_tokens", "full", "accepted_nodes", "accepted_step_id", "hidden_states", "sampling", "rejection_sampling")
+    __slots__ = ("seq_id", "committed_len", "new_tokens", "full", "accepted_nodes", "accepted_step_id", "hidden_states", "sampling", "rejection_sampling", "lookahead_hit", "lookahead")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +175,8 @@ class SequenceUpdate(_message.Message):
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REJECTION_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_HIT_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     committed_len: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -182,7 +186,9 @@ class SequenceUpdate(_message.Message):
     hidden_states: Tensor
     sampling: SamplingParams
     rejection_sampling: bool
-    def __init__(self, seq_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., full: _Optional[bool] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., accepted_step_id: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., rejection_sampling: _Optional[bool] = ...) -> None: ...
+    lookahead_hit: int
+    lookahead: bool
+    def __init__(self, seq_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., full: _Optional[bool] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., accepted_step_id: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., rejection_sampling: _Optional[bool] = ..., lookahead_hit: _Optional[int] = ..., lookahead: _Optional[bool] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("step_id", "sequences", "released", "trace_context", "max_depth")
@@ -206,7 +212,7 @@ class SpeculateRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., max_depth: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "tokens", "parents", "resync", "received_unix_ns", "sent_unix_ns", "q_ids", "q_probs")
+    __slots__ = ("step_id", "seq_ids", "tokens", "parents", "resync", "received_unix_ns", "sent_unix_ns", "q_ids", "q_probs", "lookahead", "lookahead_keys")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +222,8 @@ class Proposal(_message.Message):
     SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     Q_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_PROBS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_KEYS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     tokens: Tensor
@@ -225,4 +233,6 @@ class Proposal(_message.Message):
     sent_unix_ns: int
     q_ids: Tensor
     q_probs: Tensor
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., parents: _Optional[_Union[Tensor, _Mapping]] = ..., resync: _Optional[_Iterable[int]] = ..., received_unix_ns: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., q_ids: _Optional[_Union[Tensor, _Mapping]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    lookahead: bool
+    lookahead_keys: Tensor
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., parents: _Optional[_Union[Tensor, _Mapping]] = ..., resync: _Optional[_Iterable[int]] = ..., received_unix_ns: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., q_ids: _Optional[_Union[Tensor, _Mapping]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., lookahead: _Optional[bool] = ..., lookahead_keys: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
