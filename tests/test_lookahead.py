@@ -1,0 +1,151 @@
+"""Lookahead drafting (draft_service/lookahead.py): the draft pre-drafts each sequence's
+next tree for its likeliest outcomes while the target verifies; the verify takes the
+candidate whose key is what the step committed. Hits and misses change speed, never
+tokens: greedy equals transformers' greedy, seeded sampling equals the same request
+without speculation, a candidate tree that is garbage costs only its step, and both
+services hold no page once the requests are done."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from treespec.common.client import AsyncTreespecClient
+from treespec.common.spec.messages import SeqUpdate, SpecRequest
+from treespec.common.spec.tree import envelope_from
+from treespec.draft_service import engine as draft_engine
+from treespec.draft_service.config import DraftConfig
+from treespec.draft_service.engine import DraftEngine
+from treespec.draft_service.lookahead import likely_path
+from inproc import greedy_reference, services
+
+PROMPTS = [[1, 5, 9, 13, 2, 7, 1, 5, 9, 13, 2, 7, 1, 5], [3, 4, 5, 6]]
+MAX_TOKENS = 20
+
+
+def _draft_free(h: dict) -> int | None:
+    cache = getattr(h["draft_engine"].proposer, "cache", None)
+    return None if cache is None else cache.blocks.num_free
+
+
+async def _pages_back(h: dict, draft_free: int | None) -> bool:
+    """Whether both services hold no sequence's KV page (the draft hears of ended
+    sequences with the verify's idle notice)."""
+    for _ in range(100):
+        if h["engine"].kv_pages_used == 0 and _draft_free(h) == draft_free \
+                and h["draft_engine"].num_sequences == 0:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def _run(target, method, draft_model, envelope, lookahead=1, sampling=None):
+    async with services(target, method, draft_model, envelope,
+                        draft_kw={"lookahead": lookahead}) as h:
+        free = _draft_free(h)
+        async with AsyncTreespecClient(h["addr"]) as c:
+            outs = await asyncio.gather(*[
+                c.generate(prompt_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True,
+                           **(sampling or {})) for p in PROMPTS])
+            plain = None
+            if sampling:
+                plain = await asyncio.gather(*[
+                    c.generate(prompt_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True,
+                               no_speculation=True, **sampling) for p in PROMPTS])
+        return outs, plain, dict(h["engine"].lookahead), await _pages_back(h, free)
+
+
+@pytest.mark.parametrize("proposer,envelope", [
+    ("model-self", "chain4"),       # the draft is the target: its guesses come true (hits)
+    ("model-self", "tree-small"),
+    ("model-random", "tree-small"),  # a random draft: its guesses fail (misses)
+    ("ngram", "chain4"),
+])
+def test_lookahead_greedy_equals_plain(target_dir, draft_dir, proposer, envelope):
+    method, model = {"model-self": ("model", target_dir), "model-random": ("model", draft_dir),
+                     "ngram": ("ngram", None)}[proposer]
+    outs, _, counts, free = asyncio.run(_run(target_dir, method, model, envelope))
+    for p, out in zip(PROMPTS, outs):
+        assert out.token_ids == greedy_reference(target_dir, p, MAX_TOKENS)
+    assert free
+    if proposer == "model-self":
+        assert counts["hits"] >= 4
+    if proposer == "model-random":
+        assert counts["misses"] > 0
+
+
+def test_lookahead_seeded_sampling_equals_no_speculation(target_dir):
+    """Coupled acceptance: the drafter guesses the target's draws with its seeded noise;
+    hit or miss, the tokens are those of the same request decoded plain."""
+    sampling = {"temperature": 0.8, "seed": 11}
+    outs, plain, counts, free = asyncio.run(
+        _run(target_dir, "model", target_dir, "chain4", sampling=sampling))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert counts["hits"] > 0 and free
+
+
+def test_garbage_candidates_cost_speed_never_tokens(target_dir, monkeypatch):
+    """A lookahead whose keys come true but whose trees are random tokens: every hit
+    verifies garbage, and the output is still plain greedy's."""
+    real = draft_engine.draft_candidates
+
+    def garbage(proposer, rows, per_seq, kw):
+        keys, trees = real(proposer, rows, per_seq, kw)
+        g = torch.Generator().manual_seed(0)
+        trees.tokens = torch.randint(0, 100, trees.tokens.shape, generator=g,
+                                     dtype=torch.int32)
+        return keys, trees
+
+    monkeypatch.setattr(draft_engine, "draft_candidates", garbage)
+    outs, _, counts, free = asyncio.run(_run(target_dir, "model", target_dir, "chain4"))
+    for p, out in zip(PROMPTS, outs):
+        assert out.token_ids == greedy_reference(target_dir, p, MAX_TOKENS)
+    assert counts["hits"] > 0 and free
+
+
+def _engine(method, model=None, envelope="chain4", k=1) -> DraftEngine:
+    return DraftEngine(DraftConfig(method=method, envelope=envelope_from(envelope),
+                                   model=None if model is None else str(model), device="cpu",
+                                   lookahead=k))
+
+
+def test_engine_lookahead_rolls_the_drafter_back(target_dir):
+    """After pre-drafting, the drafter holds the committed tokens only (the guesses are
+    taken back), and a hit names a candidate the engine hands back as this step's tree."""
+    e = _engine("model", target_dir)
+    toks = [3, 4, 5, 6, 7, 8]
+    req = SpecRequest(1, [SeqUpdate(5, len(toks), toks, full=True, lookahead=True)])
+    tree = e.step(req).trees
+    ahead = e.lookahead(req)
+    st = e.proposer.state(5)
+    assert st.tokens == toks and st.pages.kv_len <= len(toks)
+    key = ahead.keys[0][ahead.keys[0] >= 0].tolist()
+    assert key[:-1] == likely_path(tree.tokens[0].tolist(), tree.parents[0].tolist())
+    # the same request decoded afresh drafts the candidate's tree
+    fresh = _engine("model", target_dir)
+    ref = fresh.step(SpecRequest(1, [SeqUpdate(9, len(toks) + len(key), toks + key,
+                                               full=True)])).trees
+    assert torch.equal(ref.tokens[0], ahead.trees.tokens[0])
+    # the verify takes candidate 0: no tree is drafted for it, and the next lookahead
+    # hangs off that candidate
+    hit = SpecRequest(2, [SeqUpdate(5, len(toks) + len(key), key, accepted_step_id=1,
+                                    lookahead_hit=1, lookahead=True)])
+    assert not any(e.step(hit).trees.num_valid())
+    assert e._seqs[5].tree == (ahead.trees.tokens[0].tolist(), ahead.trees.parents[0].tolist())
+    assert e.lookahead(hit) is not None
+
+
+def test_engine_unknown_candidate_is_no_tree(target_dir):
+    """A hit naming a candidate this engine does not have (out of range, or for another
+    step) is answered with no tree and no lookahead for it, never an error."""
+    e = _engine("ngram", k=2)
+    toks = [1, 2, 3, 1, 2, 3, 1, 2]
+    e.step(SpecRequest(1, [SeqUpdate(4, len(toks), toks, full=True, lookahead=True)]))
+    req = SpecRequest(2, [SeqUpdate(4, len(toks) + 1, [3], accepted_step_id=1,
+                                    lookahead_hit=2, lookahead=True)])
+    resp = e.step(req)
+    assert resp.resync == [] and not any(resp.trees.num_valid())
+    assert e.lookahead(req) is None
+    assert len(e.proposer._index[4]) == len(toks) + 1
