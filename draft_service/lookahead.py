@@ -7,20 +7,20 @@ verify picks the candidate itself and says which it took: ``SeqUpdate.lookahead_
 A miss costs what a step costs without lookahead.
 
 An outcome is what a step commits: the tree's accepted path, then the target's bonus
-token. The guesses, per sequence of a tree of depth D (K = candidates per sequence):
+token. Per sequence of a tree of depth D, K candidates come from one draft step:
 
-* the path: the first deepest root-to-leaf path in node order (drafters emit nodes
-  best first, so this is the drafter's most likely full acceptance);
-* the bonus: a *probe* tree drafted as if the path were committed: its first K
-  level-one nodes are the drafter's best guesses of the next token (with coupled
-  sampling the drafter draws them with the target's seeded noise);
-* candidate k: a tree drafted as if path + guess k were committed.
+* the path guessed: the first deepest root-to-leaf path in node order (drafters emit
+  nodes best first, so this is the drafter's most likely full acceptance);
+* a *probe* tree drafted as if that path were committed: its level-one nodes are the
+  drafter's best guesses of the bonus (with coupled sampling it draws them with the
+  target's seeded noise), and the subtree under guess k, re-rooted at it, is candidate
+  k's tree (depth D - 1), keyed by path + guess k.
 
-That is K + 1 batched draft steps a step, each catching up at most D + 1 units, all
-while the target verifies. The proposer's state is then set back to the committed
-tokens (``update`` with no new tokens: drafters roll their KV back to the committed
-length, pages stay reserved for the sequence), so a hit or a miss starts from the same
-state as a step without lookahead.
+That is one batched draft step, as a step without lookahead drafts, run while the target
+verifies. The proposer's state is then set back to the committed tokens (``update``
+with no new tokens: drafters roll their KV back to the committed length, pages stay
+reserved for the sequence), so a hit or a miss starts from the same state as a step
+without lookahead.
 """
 
 from __future__ import annotations
@@ -63,9 +63,23 @@ def likely_path(tokens: list[int], parents: list[int]) -> list[int]:
     return path[::-1]
 
 
-def first_children(tokens: list[int], parents: list[int], k: int) -> list[int]:
-    """The first k level-one nodes' tokens."""
-    return [t for t, p in zip(tokens, parents) if p == ROOT][:k]
+def subtrees(tokens: list[int], parents: list[int], k: int, num_nodes: int
+             ) -> list[tuple[int, list[int], list[int]]]:
+    """For each of the first k level-one nodes: (its token, its subtree re-rooted at it:
+    tokens and parents padded to num_nodes, in node order)."""
+    out = []
+    for top in [i for i, p in enumerate(parents) if p == ROOT][:k]:
+        index = {top: ROOT}
+        toks: list[int] = []
+        pars: list[int] = []
+        for i in range(top + 1, len(parents)):
+            if parents[i] in index:          # a parent precedes its children
+                index[i] = len(toks)
+                toks.append(tokens[i])
+                pars.append(index[parents[i]])
+        pad = num_nodes - len(toks)
+        out.append((tokens[top], toks + [0] * pad, pars + [PAD] * pad))
+    return out
 
 
 def draft_candidates(proposer: Proposer, rows: list[Row], per_seq: int,
@@ -76,33 +90,20 @@ def draft_candidates(proposer: Proposer, rows: list[Row], per_seq: int,
     sampling = [r.sampling for r in rows]
     picked = None if all(s is None for s in sampling) else sampling
     paths = [likely_path(r.tree_tokens, r.tree_parents) for r in rows]
-    width = max(len(p) for p in paths) + 1
     try:
         for r, path in zip(rows, paths):
             proposer.update(r.seq_id, r.tokens + path, len(path), [], None)
         probe = proposer.propose([r.seq_id for r in rows], picked, **propose_kw)
-        guesses = [first_children(t, p, per_seq)
-                   for t, p in zip(probe.tokens.tolist(), probe.parents.tolist())]
-        num_nodes = probe.tokens.shape[1]
-        keys = torch.full((n * per_seq, width), -1, dtype=torch.int32)
-        trees = TreeBatch.padding(n * per_seq, num_nodes)
-        for k in range(per_seq):
-            sel = [b for b in range(n) if len(guesses[b]) > k]
-            if not sel:
-                break
-            for b in sel:
-                r = rows[b]
-                proposer.update(r.seq_id, r.tokens + paths[b] + [guesses[b][k]], 1, [], None)
-            got = proposer.propose([rows[b].seq_id for b in sel],
-                                   None if picked is None else [sampling[b] for b in sel],
-                                   **propose_kw)
-            at = [b * per_seq + k for b in sel]
-            trees.tokens[at] = got.tokens.to(trees.tokens.dtype)
-            trees.parents[at] = got.parents.to(trees.parents.dtype)
-            for b in sel:
-                key = paths[b] + [guesses[b][k]]
-                keys[b * per_seq + k, :len(key)] = torch.tensor(key, dtype=torch.int32)
     finally:
         for r in rows:
             proposer.update(r.seq_id, r.tokens, 0, [], None)
+    num_nodes = probe.tokens.shape[1]
+    keys = torch.full((n * per_seq, max(len(p) for p in paths) + 1), -1, dtype=torch.int32)
+    trees = TreeBatch.padding(n * per_seq, num_nodes)
+    for b, (tt, pp) in enumerate(zip(probe.tokens.tolist(), probe.parents.tolist())):
+        for k, (guess, sub_t, sub_p) in enumerate(subtrees(tt, pp, per_seq, num_nodes)):
+            key = paths[b] + [guess]
+            keys[b * per_seq + k, :len(key)] = torch.tensor(key, dtype=torch.int32)
+            trees.tokens[b * per_seq + k] = torch.tensor(sub_t, dtype=torch.int32)
+            trees.parents[b * per_seq + k] = torch.tensor(sub_p, dtype=torch.int32)
     return keys, trees
