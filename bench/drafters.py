@@ -7,7 +7,8 @@ One verify service (Qwen3-8B shape, planted successor map) serves every draft in
 on one port; per (proposer, envelope, mode) a draft service starts: `treespec draft`
 with random weights (mode random: what the drafter costs, accepting almost nothing;
 the draft model is Qwen3-0.6B-shaped, the EAGLE-3 head the published Qwen3-8B one's
-shape with the target's embeddings), or the shadow replay instrument (mode shadow:
+shape with the target's embeddings; random+laK: with --lookahead K), or the shadow
+replay instrument (mode shadow:
 the same drafter's whole step, its tree then replaced by the replay's continuation at
 3 correct tokens of 4: what it buys at 4 tokens a step; mode shadowraw: the same with
 the hidden states crossing unprojected, the projection's side-by-side). Plain decode
@@ -64,6 +65,9 @@ def draft_argv(method: str, envelope: str, mode: str, port: int, work: Path, tar
              "dflash": ["--model", str(work / "dflash"), "--target-embeddings", str(target)]}
     common = [*envelope_args(envelope), "--port", str(port), "--num-blocks", str(pages),
               "--metrics-port", "0", *model[method]]
+    mode, _, ahead = mode.partition("+la")          # random+la1: the draft's --lookahead 1
+    if ahead:
+        common += ["--lookahead", ahead]
     if mode == "random":
         return cli_command("draft", "--method", method, "--device", device, *common)
     raw = ["--raw-hidden"] if mode == "shadowraw" else []     # the A/B of the projection
@@ -253,7 +257,7 @@ def plain_pass(addr: str, sets: dict, a: argparse.Namespace, url: str | None,
 def run_config(key: str, method: str, envelope: str, mode: str, port: int, work: Path,
                a: argparse.Namespace, v, url: str | None, sets: dict, plain: dict,
                cont: Path, accept: int) -> dict:
-    proposer = method if mode == "random" else f"shadow-replay-instrument:{method}"
+    proposer = method if mode.startswith("random") else f"shadow-replay-instrument:{method}"
     d = start(f"{method}-{envelope}-{mode}",
               draft_argv(method, envelope, mode, port, work, work / "target", a.device, cont,
                          pages(a), accept))
