@@ -19,6 +19,7 @@ from treespec.draft_service import engine as draft_engine
 from treespec.draft_service.config import DraftConfig
 from treespec.draft_service.engine import DraftEngine
 from treespec.draft_service.lookahead import likely_path
+from treespec.verify_service.draft_sync import LOOKAHEAD_TRIES, AheadPrice
 from inproc import greedy_reference, services
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 1, 5, 9, 13, 2, 7, 1, 5], [3, 4, 5, 6]]
@@ -150,3 +151,19 @@ def test_engine_unknown_candidate_is_no_tree(target_dir):
     assert resp.resync == [] and not any(resp.trees.num_valid())
     assert e.lookahead(req) is None
     assert len(e.proposer._index[4]) == len(toks) + 1
+
+
+def test_lookahead_stops_where_it_does_not_pay():
+    """Priced per connection: a hit saves a draft answer's time, and every step pays its
+    wait for the lookahead. Late lookaheads (a draft slower than the verify) or guesses
+    that never come true stop the asking after a few steps, but for one in 64."""
+    late = AheadPrice()
+    late.answered(0.010)                      # a draft's answer takes 10 ms
+    for _ in range(LOOKAHEAD_TRIES):
+        late.step(hits=1, misses=1, waited_s=0.008)      # saves 5 ms, waits 8
+    assert not late.worth(63) and late.worth(64)
+    good = AheadPrice()
+    good.answered(0.010)
+    for _ in range(LOOKAHEAD_TRIES):
+        good.step(hits=1, misses=1, waited_s=0.0005)
+    assert good.worth(63)

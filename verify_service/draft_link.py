@@ -281,12 +281,14 @@ class DraftLink:
         if self._ahead is not None:
             _settle(self._ahead, ahead)
 
-    async def _await_ahead(self) -> None:
+    async def _await_ahead(self) -> bool:
         """The lookahead that follows the last step's answer, waited for up to the
-        deadline (the draft drafted it while the target verified: in time, it is here)."""
+        deadline (the draft drafted it while the target verified: in time, it is here);
+        whether it missed the deadline."""
         fut = self._ahead
+        late = False
         if fut is None:
-            return
+            return late
         if not fut.done():
             try:
                 if self.busy_poll:
@@ -296,7 +298,9 @@ class DraftLink:
             except asyncio.TimeoutError:
                 self._ahead_step = None             # too late to use: dropped when it lands
                 self.sync.take_ahead(None)
+                late = True
         self._ahead = None
+        return late
 
     def _expect_ahead(self, out: Outgoing | None) -> None:
         """The next step waits for the lookahead out asks for (None, or one asking for
@@ -321,10 +325,13 @@ class DraftLink:
         without waiting (waiting, the whole batch commits nothing meanwhile)."""
         if not self.ready:
             return Drafted(None, "disconnected")
-        await self._await_ahead()
+        t_wait = time.perf_counter()
+        late = await self._await_ahead()
+        waited = time.perf_counter() - t_wait
         if self._outstanding is not None:
             return Drafted(None, "busy")     # the draft is still on a step that timed out
         out = self.sync.request(seqs, bool(self._info.target_hidden_layers), trace, depth)
+        self.sync.price.step(len(out.hits), out.misses + late, waited)
         step = out.request.step_id
         new = sum(len(u.new_tokens) for u in out.request.seqs)
         self._sent = (step, new, time.time_ns())
@@ -373,6 +380,8 @@ class DraftLink:
                            hidden_bytes=out.hidden_bytes)
         self._outstanding = None
         stamps = (t_sent, self._t_answer, msg.received_unix_ns, msg.sent_unix_ns)
+        if not out.catch_up(self._info.envelope.depth):
+            self.sync.price.answered((self._t_answer - t_sent) * 1e-9)
         try:
             resp = wire.response_from_pb(msg)
         except codec.CodecError as e:

@@ -86,8 +86,39 @@ class _Hits:
 
 # lookahead per sequence: after LOOKAHEAD_TRIES steps with candidates, a sequence whose
 # moving hit rate (weight LOOKAHEAD_WEIGHT on the newest) is under LOOKAHEAD_FLOOR asks for
-# none, but for one step in LOOKAHEAD_RETRY (its text may turn predictable again)
+# none, but for one step in LOOKAHEAD_RETRY (its text may turn predictable again). The
+# same weight and tries price lookahead as a whole (AheadPrice).
 LOOKAHEAD_TRIES, LOOKAHEAD_WEIGHT, LOOKAHEAD_FLOOR, LOOKAHEAD_RETRY = 8, 1 / 4, 0.05, 64
+
+
+@dataclass
+class AheadPrice:
+    """Whether lookahead pays on this connection: a hit saves a step the draft's answer
+    (``hop_s``, measured on steps that waited for one), and each step pays the time it
+    waits for its lookahead to arrive (a draft slower than the verify makes it late).
+    Moving means of both; asking stops while the saving falls short of the wait, but
+    for one step in LOOKAHEAD_RETRY."""
+
+    steps: int = 0
+    gain_s: float = 0.0
+    wait_s: float = 0.0
+    hop_s: float | None = None
+
+    def answered(self, seconds: float) -> None:
+        self.hop_s = seconds if self.hop_s is None else \
+            self.hop_s + LOOKAHEAD_WEIGHT * (seconds - self.hop_s)
+
+    def step(self, hits: int, misses: int, waited_s: float) -> None:
+        if hits + misses == 0 or self.hop_s is None:
+            return
+        self.steps += 1
+        gain = hits / (hits + misses) * self.hop_s
+        self.gain_s += LOOKAHEAD_WEIGHT * (gain - self.gain_s)
+        self.wait_s += LOOKAHEAD_WEIGHT * (waited_s - self.wait_s)
+
+    def worth(self, step_id: int) -> bool:
+        return (self.steps < LOOKAHEAD_TRIES or self.gain_s > self.wait_s
+                or step_id % LOOKAHEAD_RETRY == 0)
 
 
 class DraftSync:
@@ -106,6 +137,7 @@ class DraftSync:
         self.ahead: Lookahead | None = None            # the newest lookahead received
         self._ahead_rows: dict[int, list[tuple[tuple[int, ...], int]]] = {}
         self._hits: dict[int, _Hits] = {}
+        self.price = AheadPrice()
 
     def reset(self, shared: SharedBuffer | None = None,
               projection: torch.Tensor | None = None) -> None:
@@ -116,6 +148,7 @@ class DraftSync:
         self._released = []
         self.take_ahead(None)
         self._hits.clear()
+        self.price = AheadPrice()
         self.use_shared(shared)
         self.projection = projection
 
@@ -150,7 +183,7 @@ class DraftSync:
 
     def _wants_ahead(self, s: Sequence) -> bool:
         h = self._hits.get(s.seq_id)
-        return bool(self.lookahead) and (
+        return bool(self.lookahead) and self.price.worth(self.step_id) and (
             h is None or h.tries < LOOKAHEAD_TRIES or h.rate >= LOOKAHEAD_FLOOR
             or self.step_id % LOOKAHEAD_RETRY == 0)
 
