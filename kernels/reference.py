@@ -204,8 +204,8 @@ def _attend(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, slots: 
     k_s, v_s = keys
     nbs = v_s.shape[1]
     # shared keys: row (query i, q head of the group; padded to ROW_TILE) sees [lo, hi]
-    first = torch.arange(n, device=dev) + ctx
-    if chain:       # causal; a padding row sees itself
+    if chain:       # causal up to the row itself (its last visible chunk key); padding: itself
+        first = ctx + (own * torch.arange(t, device=dev)).amax(1)
         lo, hi = torch.where(pad, first, 0), first
     else:           # the context's whole blocks; a padding row none
         lo, hi = pad.long(), torch.full((n,), nbs * kb - 1, device=dev)
