@@ -53,6 +53,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--nodes", default="0,4,16,32,64")
     ap.add_argument("--sections", default="floor,hf,verify,e2e")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "invariant"],
+                    help="the verify section's kernels: invariant = one K order for every "
+                         "row count (issue 53; kernels/triton_invariant.py)")
+    ap.add_argument("--verify-batches", default="1,8", help="the verify section's batches")
     ap.add_argument("--work", default="")
     ap.add_argument("--no-plant", action="store_true",
                     help="plain random target weights (near-tied logits: bf16 flips "
@@ -120,7 +124,9 @@ def main() -> None:
 
     def verify_sec() -> None:
         ours = ours_from_hf(hf, dev)
-        lat = verify_latency_ms(ours, a.ctx, [1, 8], [int(x) for x in a.nodes.split(",")])
+        lat = verify_latency_ms(ours, a.ctx, [int(x) for x in a.verify_batches.split(",")],
+                                [int(x) for x in a.nodes.split(",")], kernels=a.kernels)
+        out["verify_kernels"] = a.kernels
         out["verify_ms"] = lat
         out["plain_ms"] = lat["1"]["0"]
         out["plain_tok_s"] = 1000 / lat["1"]["0"]

@@ -10,7 +10,9 @@ import torch
 
 from treespec.kernels.availability import triton_available
 
-Backend = Literal["auto", "reference", "triton"]
+# "invariant": batch-invariant kernels (issue 53): Triton's invariant mode where Triton
+# runs, else the reference (invariant on the CPU)
+Backend = Literal["auto", "reference", "triton", "invariant"]
 
 KERNEL_NAMES = ("write_kv", "paged_tree_attention", "tree_ancestors", "accept_greedy",
                 "rejection_walk", "compact_kv",
@@ -20,10 +22,13 @@ KERNEL_NAMES = ("write_kv", "paged_tree_attention", "tree_ancestors", "accept_gr
 
 def select(device: torch.device, backend: Backend = "auto") -> ModuleType:
     """The module whose functions named in KERNEL_NAMES the engine calls."""
-    if backend == "auto":
-        backend = "triton" if triton_available(device) else "reference"
+    if backend in ("auto", "invariant"):
+        fast = "triton" if backend == "auto" else "triton_invariant"
+        backend = fast if triton_available(device) else "reference"
     if backend == "reference":
         return importlib.import_module("treespec.kernels.reference")
     if backend == "triton":
         return importlib.import_module("treespec.kernels.triton_backend")
+    if backend == "triton_invariant":
+        return importlib.import_module("treespec.kernels.triton_invariant")
     raise ValueError(f"unknown kernel backend {backend!r}")

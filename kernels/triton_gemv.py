@@ -20,6 +20,15 @@ Tile sizes come from ``pick_config`` (measured on an H200 by bench/gemv_probe.py
 and depend on (N, K) and the row class only. Past 16 rows a product goes to the
 GEMM library unless a measured config says this kernel wins there
 (``supports``).
+
+Batch-invariant mode (``invariant=True``, issue 53): every M takes the 16-row class's
+tiles in 16-row tiles (a second grid axis), so a row's K order is that of BK = the
+16-row config's whatever M is or where the row sits, and no M goes to the GEMM
+library (whose kernel, tiles and split-K change with M). A tile's rows meet only in
+tl.dot, whose MMA gives each output element its own fixed reduction. Under the
+interpreter tl.dot is numpy's matmul, whose BLAS rounds a row by its place; there each
+tile's products are summed in fp64 and rounded once to fp32 (the order then moves a
+result only where an fp64 sum lies within 2^-29 of an fp32 rounding boundary).
 """
 
 from __future__ import annotations
@@ -36,13 +45,26 @@ ROW_CLASSES = (16, 32, 64, 128)
 
 
 @triton.jit
+def _tile_dot(x, w, DOT: tl.constexpr):
+    """x [BM, BK] @ w [BN, BK].T in fp32; DOT 0: native, 1: IEEE fp32 (the interpreter's
+    tl.dot mishandles bf16), 2: fp64 rounded once (the interpreter, row-invariant)."""
+    if DOT == 2:
+        return tl.dot(x.to(tl.float64), tl.trans(w.to(tl.float64)),
+                      input_precision="ieee").to(tl.float32)
+    elif DOT == 1:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    else:
+        return tl.dot(x, tl.trans(w))
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, UP_OFF,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SILU: tl.constexpr,
-                 DOT_F32: tl.constexpr, PDL: tl.constexpr):
+                 DOT: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     pid = tl.program_id(0)
     rn = pid * BN + tl.arange(0, BN)
-    rm = tl.arange(0, BM)
+    rm = tl.program_id(1) * BM + tl.arange(0, BM)
     rk = tl.arange(0, BK)
     nmask = rn < N
     mmask = rm < M
@@ -52,21 +74,14 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, UP_OFF,
     for k0 in range(0, K, BK):
         kk = k0 + rk
         kmask = kk < K
-        x = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :],
+        x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * s_xm + kk[None, :],
                     mask=mmask[:, None] & kmask[None, :], other=0.0)
         wmask = nmask[:, None] & kmask[None, :]
         w = tl.load(w_rows + kk[None, :], mask=wmask, other=0.0)
-        if DOT_F32:     # the interpreter's tl.dot mishandles bf16
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+        acc += _tile_dot(x, w, DOT)
         if SILU:
             u = tl.load(w_rows + UP_OFF * s_wn + kk[None, :], mask=wmask, other=0.0)
-            if DOT_F32:
-                acc_u += tl.dot(x.to(tl.float32), tl.trans(u.to(tl.float32)),
-                                input_precision="ieee")
-            else:
-                acc_u += tl.dot(x, tl.trans(u))
+            acc_u += _tile_dot(x, u, DOT)
     dt = out_ptr.dtype.element_ty
     if SILU:        # round gate and up as a bf16 GEMM would, then silu_mul's roundings
         g = acc.to(dt).to(tl.float32)
@@ -75,7 +90,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, UP_OFF,
         res = (silu * up).to(dt)
     else:
         res = acc.to(dt)
-    tl.store(out_ptr + rm[:, None] * s_om + rn[None, :], res,
+    tl.store(out_ptr + rm.to(tl.int64)[:, None] * s_om + rn[None, :], res,
              mask=mmask[:, None] & nmask[None, :])
 
 
@@ -114,7 +129,8 @@ def pick_config(n: int, k: int, silu: bool, bm: int = 16) -> tuple[int, int, int
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, silu: bool,
-            config: tuple[int, int, int, int] | None, where: str) -> torch.Tensor:
+            config: tuple[int, int, int, int] | None, where: str,
+            invariant: bool = False) -> torch.Tensor:
     check_devices(_gemv_kernel, where, x=x, weight=w)
     check_dtype(where, "x", x, FLOAT_DTYPES)
     check_shape(where, "x", x, (None, None))
@@ -122,32 +138,37 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, silu: bool,
     check_shape(where, "weight", w, (None, k))
     if w.dtype != x.dtype:
         raise ValueError(f"{where}: weight dtype {w.dtype} != x dtype {x.dtype}")
-    if m > MAX_ROWS:
+    if m > MAX_ROWS and not invariant:
         raise ValueError(f"{where}: at most {MAX_ROWS} rows, got {m}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError(f"{where}: x and weight rows must be contiguous")
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    bm = row_class(m)
+    bm = ROW_CLASSES[0] if invariant else row_class(m)
     bn, bk, warps, stages = config or pick_config(n_out, k, silu, bm)
     interp = x.device.type != "cuda"
-    _gemv_kernel[(triton.cdiv(n_out, bn),)](
+    dot = (2 if invariant else 1) if interp else 1 if x.dtype == torch.float32 else 0
+    _gemv_kernel[(triton.cdiv(n_out, bn), triton.cdiv(m, bm))](
         x, w, out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), n_out if silu else 0,
-        BM=bm, BN=bn, BK=bk, SILU=silu, DOT_F32=interp or x.dtype == torch.float32,
+        BM=bm, BN=bn, BK=bk, SILU=silu, DOT=dot,
         num_warps=warps, num_stages=stages, **launch_options(_gemv_kernel, x.device))
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
-           config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M <= 128, K] @ weight[N, K].T -> [M, N] in x's dtype."""
-    return _launch(x, weight, weight.shape[0], False, config, "linear")
+           config: tuple[int, int, int, int] | None = None, *,
+           invariant: bool = False) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T -> [M, N] in x's dtype; M <= 128 unless invariant (one
+    K order for every M: see the module's docstring)."""
+    return _launch(x, weight, weight.shape[0], False, config, "linear", invariant)
 
 
 def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor,
-                    config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """silu_mul(linear(x, gate_up)): x [M <= 128, K], gate_up [2I, K] -> [M, I]."""
+                    config: tuple[int, int, int, int] | None = None, *,
+                    invariant: bool = False) -> torch.Tensor:
+    """silu_mul(linear(x, gate_up)): x [M, K], gate_up [2I, K] -> [M, I]; M as linear's."""
     if gate_up.dim() != 2 or gate_up.shape[0] % 2:
         raise ValueError(f"linear_silu_mul: gate_up must be [2I, K], got {tuple(gate_up.shape)}")
-    return _launch(x, gate_up, gate_up.shape[0] // 2, True, config, "linear_silu_mul")
+    return _launch(x, gate_up, gate_up.shape[0] // 2, True, config, "linear_silu_mul",
+                   invariant)

@@ -67,6 +67,45 @@ def test_row_does_not_depend_on_row_count():
         assert torch.equal(gemv.linear(x[i:i + 1], w, SMALL)[0], many[i])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("silu", [False, True])
+def test_invariant_mode_gives_a_row_the_same_bits_at_any_row_count(dtype, silu):
+    """Invariant mode: a row alone, among 5, 16, 17 and 40 rows (past 16: no GEMM
+    library, more 16-row tiles) at several places, bit for bit; the default mode's
+    past-16 path (torch here, cuBLAS on a GPU) is a different K order."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 200, generator=g).to(dtype).to(DEV)
+    w = (torch.randn(2 * 48 if silu else 48, 200, generator=g) * 0.1).to(dtype).to(DEV)
+    run = gemv.linear_silu_mul if silu else gemv.linear
+    alone = [run(x[i:i + 1], w, SMALL, invariant=True)[0] for i in (0, 3, 16, 39)]
+    for m in (5, 16, 17, 40):
+        rows = torch.randperm(40, generator=g)[:m]
+        places = (0, m // 2, m - 1, 1)           # first, middle, last, second
+        rows[list(places)] = torch.tensor([0, 3, 16, 39])
+        many = run(x[rows], w, SMALL, invariant=True)
+        for want, at in zip(alone, places):
+            assert torch.equal(many[at], want), (m, at)
+    assert rel_err(gemv.linear(x, w, SMALL, invariant=True) if not silu else
+                   gemv.linear_silu_mul(x, w, SMALL, invariant=True),
+                   F.linear(x.float(), w.float()) if not silu else
+                   ref.silu_mul(F.linear(x.float(), w.float()))) < (1e-5 if dtype == torch.float32
+                                                                    else 2e-2)
+
+
+def test_invariant_backend_routes_every_linear_to_the_kernel(monkeypatch):
+    inv = _load("treespec.kernels.triton_invariant")
+    seen = []
+    real = gemv._launch
+    monkeypatch.setattr(gemv, "_launch", lambda *a, **k: seen.append(a[0].shape[0]) or real(*a, **k))
+    x = torch.randn(3, 20, 32, device=DEV)          # 60 rows, fp32: the default goes to torch
+    w, b = torch.randn(24, 32, device=DEV), torch.randn(24, device=DEV)
+    y = inv.linear(x, w, b)
+    assert seen == [60] and y.shape == (3, 20, 24)
+    torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    from treespec.kernels.dispatch import select
+    assert select(torch.device("cpu"), "invariant").__name__ == "treespec.kernels.reference"
+
+
 def test_past_16_rows_only_measured_shapes_use_the_kernel():
     assert gemv.supports(16, 1, 1, False) and not gemv.supports(17, 1, 1, False)
     assert not gemv.supports(0, 1, 1, False) and not gemv.supports(129, 4096, 4096, False)

@@ -45,6 +45,10 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
     v.add_argument("--busy-poll", choices=["auto", "on", "off"],
                    help="wait for the draft's answer and the device without sleeping (one "
                         "busy core while steps run; default auto: on when the device is CUDA)")
+    v.add_argument("--batch-invariant", choices=["on", "off"],
+                   help="kernels whose rows do not depend on the batch (issue 53): on runs "
+                        "Triton's one-K-order GEMMs where --kernels is auto or triton "
+                        "(the CPU reference always is); default off")
     add_runtime(v)
     add_client_tls(v, "--draft-tls", "--draft-api-key-file")
 
@@ -53,6 +57,8 @@ def config(args: argparse.Namespace):
     """VerifyConfig from parsed flags; ConfigError when it is refused."""
     from treespec.verify_service.config import VerifyConfig
     check_model(args.model)
+    if getattr(args, "batch_invariant", None) == "on" and args.kernels in (None, "auto", "triton"):
+        args.kernels = "invariant"      # treespec.kernels.dispatch.select
     try:
         cfg = VerifyConfig(model=args.model, draft=args.draft, **given(
             args, RUNTIME + ("max_batch", "max_model_len", "prefill_tokens",
