@@ -1,11 +1,17 @@
-"""Every proposer at serving load through the real CLI services, on their defaults:
-32 concurrent 1024-token prompts (what the H200 benchmark sends) on the shipped tiny
-models. No step may go without speculation because of the engine's own limits (a
-message over the frame limit, draft KV pages, a deadline, the draft going busy), the
-only plain steps are n-gram's empty trees and EAGLE-3's and DFlash's while a prompt's
-hidden states are still crossing to the draft, and every output equals plain decode
-(one plain run, on the first of these verify services after its speculative load,
-serves every proposer's comparison)."""
+"""Every model proposer at serving load through the real CLI services, on their
+defaults: 32 concurrent 1024-token prompts (what the H200 benchmark sends) on the
+shipped tiny models. No step may go without speculation because of the engine's own
+limits (a message over the frame limit, draft KV pages, a deadline, the draft going
+busy), the only plain steps are EAGLE-3's and DFlash's while a prompt's hidden states
+are still crossing to the draft, and every output equals plain decode (one plain run,
+on the first of these verify services after its speculative load, serves every
+proposer's comparison).
+
+The n-gram proposer is not among them: on these random prompts its trees are empty
+but for one-token matches (whose continuations the target never accepts; its case
+could not even require a drafted token), so its load proved only what the draft
+model's does through the same token updates and tree messages, at the cost of another
+32k tokens of prefill on the CPU."""
 
 from __future__ import annotations
 
@@ -23,9 +29,8 @@ PROMPTS = [torch.randint(1, 6144, (1024,), generator=torch.Generator().manual_se
            for i in range(32)]
 MAX_TOKENS = 6
 # what may leave a speculating step without a tree, by proposer
-ALLOWED = {"ngram": {"empty_tree"}, "model": set(), "eagle3": {"syncing"},
-           "dflash": {"syncing"}}
-DRAFTS = {"ngram": None, "model": "tiny-code-draft", "eagle3": "tiny-code-eagle3",
+ALLOWED = {"model": set(), "eagle3": {"syncing"}, "dflash": {"syncing"}}
+DRAFTS = {"model": "tiny-code-draft", "eagle3": "tiny-code-eagle3",
           "dflash": "tiny-code-dflash"}
 
 
@@ -51,7 +56,7 @@ def plain(addr: str) -> list[list[int]]:
     return _plain[0]
 
 
-@pytest.mark.parametrize("method", ["ngram", "model", "eagle3", "dflash"])
+@pytest.mark.parametrize("method", ["model", "eagle3", "dflash"])
 def test_32_long_prompts_at_once(method):
     # CPU forwards over 32k tokens take seconds: the deadline is not what this tests
     extra = ("--target-embeddings", "tiny-code") if method in ("eagle3", "dflash") else ()
@@ -70,7 +75,7 @@ def test_32_long_prompts_at_once(method):
         want = plain(verify.addr)
     assert [o.token_ids for o in spec] == want
     assert {r for r, v in reasons.items() if v} <= ALLOWED[method], (reasons, log)
-    assert sum(o.stats["draft_tokens"] for o in spec) > 0 or method == "ngram"
+    assert sum(o.stats["draft_tokens"] for o in spec) > 0
     assert "exceeds" not in log and "ran out" not in log, log
     if method in ("eagle3", "dflash"):  # each token's states once, through the draft's fc:
         # 256 float32 columns (the target's 3 layers are 768)
