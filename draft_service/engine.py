@@ -226,7 +226,11 @@ class DraftEngine:
             return None
         k = self.lookahead_k
         try:
-            keys, trees = draft_candidates(self.proposer, rows, k, self._shallow(req))
+            # the probe one level deeper than the step's trees where the envelope allows:
+            # its subtrees, the candidates, are then as deep as the step's
+            deeper = {"depth": req.max_depth + 1} if getattr(self.proposer, "levels", False) \
+                and 0 < req.max_depth < self.env.depth - 1 else {}
+            keys, trees = draft_candidates(self.proposer, rows, k, deeper)
         except Exception:       # costs the lookahead only: these sequences resync
             log.exception("lookahead after step %d failed", req.step_id)
             self.release([r.seq_id for r in rows])
