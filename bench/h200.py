@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--nodes", default="0,4,16,32,64")
     ap.add_argument("--sections", default="floor,hf,verify,e2e")
+    ap.add_argument("--verify-iters", type=int, default=30,
+                    help="timed verify steps at each (batch, nodes) of the verify section "
+                         "(tests/test_bench_smoke.py's tiny CPU run takes 3)")
     ap.add_argument("--kernels", default="auto", choices=["auto", "invariant"],
                     help="the verify section's kernels: invariant = one K order for every "
                          "row count (issue 53; kernels/triton_invariant.py)")
