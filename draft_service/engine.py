@@ -210,10 +210,13 @@ class DraftEngine:
 
     def lookahead(self, req: SpecRequest) -> Lookahead | None:
         """Candidates for the step after req, which this engine just answered (None:
-        none asked, or this drafter does not pre-draft). Runs while the verify service
-        verifies req's step."""
-        if not self.lookahead_k:
+        none asked, or this drafter does not pre-draft; where asked, always an answer,
+        with no candidates if need be: the next step waits for it). Runs while the
+        verify service verifies req's step."""
+        if not (self.lookahead_k and any(u.lookahead for u in req.seqs)):
             return None
+        none = Lookahead(req.step_id, [], TreeBatch.padding(0, self.env.num_nodes),
+                         torch.zeros(0, self.env.depth + 1, dtype=torch.int32))
         rows = []
         for u in req.seqs:
             st = self._seqs.get(u.seq_id)
@@ -223,18 +226,18 @@ class DraftEngine:
                 sampling = self._sampling([u.seq_id])
                 rows.append(Row(u.seq_id, st.tokens, *st.tree, sampling and sampling[0]))
         if not rows:
-            return None
+            return none
         k = self.lookahead_k
+        # a probe one level deeper than the step's trees, where the envelope allows
+        probe = None
+        if getattr(self.proposer, "levels", False) and 0 < req.max_depth < self.env.depth:
+            probe = {"depth": req.max_depth + 1} if req.max_depth + 1 < self.env.depth else {}
         try:
-            # the probe one level deeper than the step's trees where the envelope allows:
-            # its subtrees, the candidates, are then as deep as the step's
-            deeper = {"depth": req.max_depth + 1} if getattr(self.proposer, "levels", False) \
-                and 0 < req.max_depth < self.env.depth - 1 else {}
-            keys, trees = draft_candidates(self.proposer, rows, k, deeper)
+            keys, trees = draft_candidates(self.proposer, rows, k, probe)
         except Exception:       # costs the lookahead only: these sequences resync
             log.exception("lookahead after step %d failed", req.step_id)
             self.release([r.seq_id for r in rows])
-            return None
+            return none
         if 0 < req.max_depth < self.env.depth:
             trees = trees.pruned(req.max_depth)
         tt, pp = trees.tokens.tolist(), trees.parents.tolist()

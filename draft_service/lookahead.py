@@ -13,11 +13,17 @@ token. Per sequence of a tree of depth D, K candidates come from one draft step:
   nodes best first, so this is the drafter's most likely full acceptance);
 * a *probe* tree drafted as if that path were committed: its level-one nodes are the
   drafter's best guesses of the bonus (with coupled sampling it draws them with the
-  target's seeded noise), and the subtree under guess k, re-rooted at it, is candidate
-  k's tree (depth D - 1), keyed by path + guess k.
+  target's seeded noise); candidate k is keyed by path + guess k;
+* candidate k's tree: where the drafter can draft one level deeper than the step's trees
+  (the controller's budget under the envelope), the probe goes one level deeper and the
+  subtree under guess k, re-rooted there, is the candidate: one batched draft step, as a
+  step without lookahead drafts. Else each candidate is drafted after path + guess k (one
+  more batched step per guess rank). Either way a candidate is as deep as the step's
+  trees: subtrees one level shallower lost more tokens a step than their hits saved
+  (bench/NOTES.md).
 
-That is one batched draft step, as a step without lookahead drafts, run while the target
-verifies. The proposer's state is then set back to the committed tokens (``update``
+All of it runs while the target verifies; where it arrives after the verify is done, the
+verify service stops asking (verify_service/draft_sync.py: AheadPrice). The proposer's state is then set back to the committed tokens (``update``
 with no new tokens: drafters roll their KV back to the committed length, pages stay
 reserved for the sequence), so a hit or a miss starts from the same state as a step
 without lookahead.
@@ -83,27 +89,46 @@ def subtrees(tokens: list[int], parents: list[int], k: int, num_nodes: int
 
 
 def draft_candidates(proposer: Proposer, rows: list[Row], per_seq: int,
-                     propose_kw: dict) -> tuple[torch.Tensor, TreeBatch]:
+                     probe_kw: dict | None) -> tuple[torch.Tensor, TreeBatch]:
     """(keys [B * K, D + 1] int32 padded with -1, trees [B * K, N]) for rows, K = per_seq;
-    the proposer is left at each row's committed tokens."""
+    the proposer is left at each row's committed tokens. probe_kw: propose()'s arguments
+    for a probe one level deeper than the step's trees, whose subtrees are the candidates;
+    None: the probe is as deep as the step's trees and the candidates are drafted after
+    it, one batched step per guess rank."""
     n = len(rows)
     sampling = [r.sampling for r in rows]
     picked = None if all(s is None for s in sampling) else sampling
     paths = [likely_path(r.tree_tokens, r.tree_parents) for r in rows]
+    keys = torch.full((n * per_seq, max(len(p) for p in paths) + 1), -1, dtype=torch.int32)
     try:
         for r, path in zip(rows, paths):
             proposer.update(r.seq_id, r.tokens + path, len(path), [], None)
-        probe = proposer.propose([r.seq_id for r in rows], picked, **propose_kw)
+        probe = proposer.propose([r.seq_id for r in rows], picked, **(probe_kw or {}))
+        num_nodes = probe.tokens.shape[1]
+        trees = TreeBatch.padding(n * per_seq, num_nodes)
+        guesses: list[list[int]] = []
+        for b, (tt, pp) in enumerate(zip(probe.tokens.tolist(), probe.parents.tolist())):
+            subs = subtrees(tt, pp, per_seq, num_nodes)
+            guesses.append([g for g, _, _ in subs])
+            for k, (guess, sub_t, sub_p) in enumerate(subs):
+                key = paths[b] + [guess]
+                keys[b * per_seq + k, :len(key)] = torch.tensor(key, dtype=torch.int32)
+                if probe_kw is not None:
+                    trees.tokens[b * per_seq + k] = torch.tensor(sub_t, dtype=torch.int32)
+                    trees.parents[b * per_seq + k] = torch.tensor(sub_p, dtype=torch.int32)
+        for k in range(per_seq if probe_kw is None else 0):
+            sel = [b for b in range(n) if len(guesses[b]) > k]
+            if not sel:
+                break
+            for b in sel:
+                r = rows[b]
+                proposer.update(r.seq_id, r.tokens + paths[b] + [guesses[b][k]], 1, [], None)
+            got = proposer.propose([rows[b].seq_id for b in sel],
+                                   None if picked is None else [sampling[b] for b in sel])
+            at = [b * per_seq + k for b in sel]
+            trees.tokens[at] = got.tokens.to(torch.int32)
+            trees.parents[at] = got.parents.to(torch.int32)
     finally:
         for r in rows:
             proposer.update(r.seq_id, r.tokens, 0, [], None)
-    num_nodes = probe.tokens.shape[1]
-    keys = torch.full((n * per_seq, max(len(p) for p in paths) + 1), -1, dtype=torch.int32)
-    trees = TreeBatch.padding(n * per_seq, num_nodes)
-    for b, (tt, pp) in enumerate(zip(probe.tokens.tolist(), probe.parents.tolist())):
-        for k, (guess, sub_t, sub_p) in enumerate(subtrees(tt, pp, per_seq, num_nodes)):
-            key = paths[b] + [guess]
-            keys[b * per_seq + k, :len(key)] = torch.tensor(key, dtype=torch.int32)
-            trees.tokens[b * per_seq + k] = torch.tensor(sub_t, dtype=torch.int32)
-            trees.parents[b * per_seq + k] = torch.tensor(sub_p, dtype=torch.int32)
     return keys, trees

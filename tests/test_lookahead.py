@@ -124,12 +124,15 @@ def test_engine_lookahead_rolls_the_drafter_back(target_dir):
     assert st.tokens == toks and st.pages.kv_len <= len(toks)
     key = ahead.keys[0][ahead.keys[0] >= 0].tolist()
     assert key[:-1] == likely_path(tree.tokens[0].tolist(), tree.parents[0].tolist())
-    # a fresh engine told the guessed path drafts the bonus guess, then the candidate
+    # a fresh engine told the guessed path drafts the bonus guess, then told path + guess
+    # the candidate, as deep as the step's tree
     fresh = _engine("model", target_dir)
     ref = fresh.step(SpecRequest(1, [SeqUpdate(9, len(toks) + len(key) - 1, toks + key[:-1],
                                                full=True)])).trees.tokens[0].tolist()
     assert ref[0] == key[-1]
-    assert ahead.trees.tokens[0].tolist()[:len(ref) - 1] == ref[1:]
+    ref = fresh.step(SpecRequest(2, [SeqUpdate(9, len(toks) + len(key), key[-1:],
+                                               accepted_step_id=1)])).trees.tokens[0]
+    assert torch.equal(ahead.trees.tokens[0], ref)
     # the verify takes candidate 0: no tree is drafted for it, and the next lookahead
     # hangs off that candidate
     hit = SpecRequest(2, [SeqUpdate(5, len(toks) + len(key), key, accepted_step_id=1,
@@ -149,7 +152,7 @@ def test_engine_unknown_candidate_is_no_tree(target_dir):
                                     lookahead_hit=2, lookahead=True)])
     resp = e.step(req)
     assert resp.resync == [] and not any(resp.trees.num_valid())
-    assert e.lookahead(req) is None
+    assert e.lookahead(req).seq_ids == []      # asked: an answer, with no candidate
     assert len(e.proposer._index[4]) == len(toks) + 1
 
 
@@ -167,3 +170,22 @@ def test_lookahead_stops_where_it_does_not_pay():
     for _ in range(LOOKAHEAD_TRIES):
         good.step(hits=1, misses=1, waited_s=0.0005)
     assert good.worth(63)
+
+
+def test_engine_lookahead_under_a_budget_is_one_probe(target_dir):
+    """Where the step's trees are shallower than the envelope (the controller's budget),
+    the probe drafts one level deeper and its subtree under the guess is the candidate:
+    as deep as the step's tree, from one draft step."""
+    e = _engine("model", target_dir)
+    toks = [3, 4, 5, 6, 7, 8]
+    req = SpecRequest(1, [SeqUpdate(5, len(toks), toks, full=True, lookahead=True)],
+                      max_depth=3)
+    tree = e.step(req).trees
+    assert tree.num_valid() == [3]
+    ahead = e.lookahead(req)
+    key = ahead.keys[0][ahead.keys[0] >= 0].tolist()
+    fresh = _engine("model", target_dir)
+    probe = fresh.step(SpecRequest(1, [SeqUpdate(9, len(toks) + 3, toks + key[:-1],
+                                                 full=True)])).trees.tokens[0].tolist()
+    assert [probe[0]] == key[-1:] and ahead.trees.num_valid()[0] == 3
+    assert ahead.trees.tokens[0].tolist()[:3] == probe[1:]
