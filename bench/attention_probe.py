@@ -4,6 +4,9 @@ and for a few tilings, for one sequence or a batch of them.
 
     python bench/attention_probe.py --out FILE [--ctx 1024] [--nodes 0,4,16,64]
         [--batch 32] [--shape 0.6b]
+    python bench/attention_probe.py --invariant --out FILE [...]   # runs
+        bench/attention_invariance_gpu.py with the other arguments instead (so that
+        bench/device_session.sh's attention step can run it: ATTN_ARGS=--invariant)
 
 Each figure is one call's device time inside a CUDA graph of 36 calls (one per layer
 of the model), so launch gaps count as they do in a verify step. Random q/k/v, one
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from pathlib import Path
 
 
@@ -33,6 +37,10 @@ SHAPES = {"8b": (36, 32, 8, 128), "0.6b": (28, 16, 8, 128)}     # layers, q / kv
 
 
 def main() -> None:
+    if "--invariant" in sys.argv:
+        import attention_invariance_gpu
+        sys.argv.remove("--invariant")
+        return attention_invariance_gpu.main()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--ctx", type=int, default=1024)
