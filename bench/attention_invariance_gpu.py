@@ -4,7 +4,7 @@ against the default mode.
 
     python bench/attention_invariance_gpu.py --out FILE [--ctxs 1024,4096]
         [--batches 1,8,32,64] [--nodes 0,4,16,64] [--split-keys 256[,128,...]]
-        [--block-m 16] [--skip-timing]
+        [--block-m 16[,64]] [--skip-timing]
 
 Checks (as tests/test_triton_attention_invariance.py, at this shape; the run exits 1 if
 an invariant one fails): the output row of a query at position p (near each context
@@ -18,7 +18,10 @@ batch shape).
 
 Times: per-layer µs of one call inside a CUDA graph of 36 calls (inproc_bench.cuda_ms),
 default (with the tree_ancestors words, as the verify step passes them) and invariant
-at each --split-keys (the checks use the first), at each batch x tree nodes x context;
+at each --split-keys x --block-m (the checks use the first of each; a BLOCK_M is a
+reduction order too, so the plan may take one other than the default only if the
+block_m64 check says its bits are the same, or as the one constant), at each batch x
+tree nodes x context;
 random trees no deeper than 8; the page table as wide as a captured step's page bucket,
 as bench/attention_probe.py.
 """
@@ -124,7 +127,7 @@ def same_bits(entries: list[tuple], a: dict, b: dict) -> bool:
     return all(torch.equal(x, y) for x, y in zip(attend(entries, 6, **a), attend(entries, 6, **b)))
 
 
-def timings(ctx: int, b: int, n: int, block_m: int | None, split_keys: list[int]) -> dict:
+def timings(ctx: int, b: int, n: int, variants: list[tuple[int, int]]) -> dict:
     g = torch.Generator().manual_seed(0)
     live = -(-(ctx + 80) // BS)
     width = max(256, 1 << (live - 1).bit_length())
@@ -145,11 +148,11 @@ def timings(ctx: int, b: int, n: int, block_m: int | None, split_keys: list[int]
     args = (q, kc, vc, table, ctxs, cu, flat, D ** -0.5)
     row = {"default_us": 1000 * cuda_ms(lambda: paged_tree_attention(*args, anc), LAYERS)}
     want = paged_tree_attention(*args, anc).float()
-    for sk in split_keys:
+    for sk, block_m in variants:
         kw = {"invariant": True, "block_m": block_m, "split_keys": sk}
         us = 1000 * cuda_ms(lambda: paged_tree_attention(*args, **kw), LAYERS)
         got = paged_tree_attention(*args, **kw).float()
-        row[f"invariant_s{sk}"] = {
+        row[f"invariant_s{sk}_m{block_m}"] = {
             "us": us, "ratio": us / row["default_us"],
             "split": _plan_invariant(b * t, b, HQ // HKV, HKV, width * BS, DEV, None, block_m,
                                      None, sk)[3],
@@ -165,11 +168,14 @@ def main() -> None:
     ap.add_argument("--nodes", default="0,4,16,64")
     ap.add_argument("--split-keys", default=str(INVARIANT_SPLIT_KEYS),
                     help="key chunk sizes to time (the checks use the first)")
-    ap.add_argument("--block-m", type=int, default=INVARIANT_BLOCK_M)
+    ap.add_argument("--block-m", default=f"{INVARIANT_BLOCK_M},64",
+                    help="query tile rows to time (the checks use the first)")
     ap.add_argument("--skip-timing", action="store_true")
     a = ap.parse_args()
     split_keys = [int(x) for x in a.split_keys.split(",")]
-    inv_kw = {"split_keys": split_keys[0], "block_m": a.block_m}
+    block_ms = [int(x) for x in a.block_m.split(",")]
+    variants = [(sk, m) for sk in split_keys for m in block_ms]
+    inv_kw = {"split_keys": split_keys[0], "block_m": block_ms[0]}
     ctxs = [int(x) for x in a.ctxs.split(",")]
     positions = [p for c in ctxs for p in (c - 1, c + 40)]
     res: dict = {"device": torch.cuda.get_device_name(), "shape": [HQ, HKV, D, BS],
@@ -190,12 +196,12 @@ def main() -> None:
         for ctx in ctxs:
             for b in (int(x) for x in a.batches.split(",")):
                 for n in (int(x) for x in a.nodes.split(",")):
-                    row = timings(ctx, b, n, a.block_m, split_keys)
+                    row = timings(ctx, b, n, variants)
                     res["times"][f"ctx{ctx}_b{b}_n{n}"] = row
                     inv = "  ".join(
-                        f"s{sk} {r['us']:8.2f} us x{r['ratio']:.2f}"
+                        f"s{sk}m{m} {r['us']:7.2f} us x{r['ratio']:.2f}"
                         f"{' split' if r['split'] else ''} |d| {r['max_abs_diff']:.2g}"
-                        for sk in split_keys for r in [row[f"invariant_s{sk}"]])
+                        for sk, m in variants for r in [row[f"invariant_s{sk}_m{m}"]])
                     print(f"ctx {ctx:5d} b {b:3d} nodes {n:3d}: default "
                           f"{row['default_us']:8.2f} us  invariant {inv}", flush=True)
     Path(a.out).write_text(json.dumps(res, indent=1))

@@ -45,9 +45,10 @@ def _attend(entries: list[tuple], dtype: torch.dtype, seed: int, **kw) -> list[t
         mine = torch.tensor(pages[at:at + need[i]])
         at += need[i]
         table[i, :need[i]] = mine
-        slots = mine.repeat_interleave(BS)[:k.shape[0]] * BS + torch.arange(k.shape[0]) % BS
-        kc.view(-1, HKV, D)[slots] = k
-        vc.view(-1, HKV, D)[slots] = v
+        slots = (mine.repeat_interleave(BS)[:k.shape[0]] * BS
+                 + torch.arange(k.shape[0]) % BS).to(DEV)
+        kc.view(-1, HKV, D)[slots] = k.to(DEV)
+        vc.view(-1, HKV, D)[slots] = v.to(DEV)
     lens = [len(e[3]) for e in entries]
     cu = torch.tensor([0] + lens).cumsum(0).to(DEV, torch.int32)
     ctx = torch.tensor([e[2] for e in entries], dtype=torch.int32, device=DEV)
