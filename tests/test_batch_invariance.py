@@ -97,10 +97,11 @@ def test_a_row_is_the_same_alone_in_a_batch_and_in_a_tree(plain_target, dtype):
 
 # ------------------------------------------------------------ end to end, through the engine
 
-def _generate(h, prompts, together: bool, **kw) -> list[list[int]]:
+def _generate(h, prompts, together: bool, max_tokens: int = MAX_TOKENS, **kw
+              ) -> list[list[int]]:
     async def go():
         async with AsyncTreespecClient(h["addr"]) as c:
-            one = lambda p: c.generate(prompt_ids=p, max_tokens=MAX_TOKENS,  # noqa: E731
+            one = lambda p: c.generate(prompt_ids=p, max_tokens=max_tokens,  # noqa: E731
                                        ignore_eos=True, **kw)
             if together:
                 outs = await asyncio.gather(*[one(p) for p in prompts])
@@ -110,13 +111,13 @@ def _generate(h, prompts, together: bool, **kw) -> list[list[int]]:
     return go
 
 
-async def _session(target, method, draft, envelope, dtype, ops=None):
+async def _session(target, method, draft, envelope, dtype, ops=None, max_tokens=MAX_TOKENS):
     async with services(target, method, draft, envelope, dtype=dtype) as h:
         if ops is not None:
             h["engine"].verifier.ops = ops
-        plain_alone = await _generate(h, PROMPTS, False, no_speculation=True)()
-        plain_batch = await _generate(h, PROMPTS, True, no_speculation=True)()
-        spec = await _generate(h, PROMPTS, True)()
+        plain_alone = await _generate(h, PROMPTS, False, max_tokens, no_speculation=True)()
+        plain_batch = await _generate(h, PROMPTS, True, max_tokens, no_speculation=True)()
+        spec = await _generate(h, PROMPTS, True, max_tokens)()
         assert h["engine"].kv_pages_used == 0
         return plain_alone, plain_batch, spec
 
@@ -146,8 +147,9 @@ def _rounds_by_row_count() -> SimpleNamespace:
 
 def test_control_rounding_by_row_count_changes_tokens_on_this_target(plain_target):
     """The target's near-ties are real: a forward that rounds a one-row decode differently
-    (one extra bf16 rounding in each linear) moves a sequence off speculation's tokens
-    within 20, so the equalities above are not met by margins alone."""
+    (one extra bf16 rounding in each linear) moves a sequence decoded alone off the tokens
+    it gets in a batch (most steps several rows) within 64 (2 or 3 of the 6 in two runs
+    checked), so the equalities above are not met by margins alone."""
     alone, batch, spec = asyncio.run(_session(plain_target, "ngram", None, "chain4",
-                                              "bfloat16", _rounds_by_row_count()))
-    assert any(a != s for a, s in zip(alone, spec))
+                                              "bfloat16", _rounds_by_row_count(), 64))
+    assert any(a != b for a, b in zip(alone, batch))
