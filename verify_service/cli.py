@@ -46,9 +46,9 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
                    help="wait for the draft's answer and the device without sleeping (one "
                         "busy core while steps run; default auto: on when the device is CUDA)")
     v.add_argument("--batch-invariant", choices=["on", "off"],
-                   help="kernels whose rows do not depend on the batch (issue 53): on runs "
-                        "Triton's one-K-order GEMMs where --kernels is auto or triton "
-                        "(the CPU reference always is); default off")
+                   help="kernels whose rows' bits do not depend on the batch: on runs "
+                        "Triton's invariant GEMMs and tree attention where --kernels is "
+                        "auto or triton (the CPU reference always is); default off")
     add_runtime(v)
     add_client_tls(v, "--draft-tls", "--draft-api-key-file")
 
