@@ -322,16 +322,19 @@ class DraftLink:
         """Send one step's request and wait up to the deadline for its answer: one
         future, completed by the stream reader, a timer or a dropped connection.
         step_s: what the step costs, when known: a catch-up predicted longer is sent
-        without waiting (waiting, the whole batch commits nothing meanwhile)."""
+        without waiting (waiting, the whole batch commits nothing meanwhile). With
+        lookahead, the candidates drafted while the last step verified are waited for
+        first; a sequence whose outcome is among them takes that tree, and a request
+        whose every sequence does is sent without waiting for its answer."""
         if not self.ready:
             return Drafted(None, "disconnected")
         t_wait = time.perf_counter()
-        late = await self._await_ahead()
+        ahead_late = await self._await_ahead()
         waited = time.perf_counter() - t_wait
         if self._outstanding is not None:
             return Drafted(None, "busy")     # the draft is still on a step that timed out
         out = self.sync.request(seqs, bool(self._info.target_hidden_layers), trace, depth)
-        self.sync.price.step(len(out.hits), out.misses + late, waited)
+        self.sync.price.step(len(out.hits), out.misses + ahead_late, waited)
         step = out.request.step_id
         new = sum(len(u.new_tokens) for u in out.request.seqs)
         self._sent = (step, new, time.time_ns())
