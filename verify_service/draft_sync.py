@@ -93,7 +93,7 @@ LOOKAHEAD_TRIES, LOOKAHEAD_WEIGHT, LOOKAHEAD_FLOOR, LOOKAHEAD_RETRY = 8, 1 / 4, 
 
 @dataclass
 class AheadPrice:
-    """Whether lookahead pays on this connection: a hit saves a step the draft's answer
+    """Whether lookahead pays on this connection: a hit saves its step a draft answer
     (``hop_s``, measured on steps that waited for one), and each step pays the time it
     waits for its lookahead to arrive (a draft slower than the verify makes it late).
     Moving means of both; asking stops while the saving falls short of the wait, but
