@@ -38,8 +38,10 @@ import torch
 from inproc_bench import cuda_ms, random_trees
 from treespec.common.spec.tree import verify_chunk_layout
 from treespec.kernels.triton_ancestors import tree_ancestors
-from treespec.kernels.triton_tree_attention import (INVARIANT_BLOCK_M, INVARIANT_SPLIT_KEYS,
-                                                    _plan_invariant, paged_tree_attention)
+from treespec.kernels.triton_tree_attention import paged_tree_attention
+from treespec.kernels.triton_tree_attention_invariant import (INVARIANT_BLOCK_M,
+                                                              INVARIANT_SPLIT_KEYS,
+                                                              _plan_invariant)
 
 HQ, HKV, D, BS, LAYERS = 32, 8, 128, 16, 36
 DT = torch.bfloat16
