@@ -53,8 +53,14 @@ run)
                    tests/test_triton_vocab.py} >>"$log" 2>&1 ;;
         gemv) timeout "${GEMV_S:-180}" python3 bench/gemv_probe.py --out "$OUT" ${GEMV_ARGS:-} \
                   >>"$log" 2>&1 ;;
-        bench) timeout "${BENCH_S:-300}" python3 bench/h200.py --out "$OUT/h200.json" \
-                   --work /tmp/bw ${BENCH_ARGS:-} >>"$log" 2>&1 ;;
+        bench)   # once per ';'-separated part of BENCH_ARGS -> h200.json, h200_2.json, ...
+            IFS=';' read -ra variants <<<"${BENCH_ARGS:-}"
+            for i in "${!variants[@]}"; do
+                name=h200$([ "$i" -gt 0 ] && echo "_$((i + 1))").json
+                echo "-- $name: ${variants[$i]}" >>"$log"
+                timeout "${BENCH_S:-300}" python3 bench/h200.py --out "$OUT/$name" \
+                    --work /tmp/bw ${variants[$i]} >>"$log" 2>&1
+            done ;;
         drafters|pyspy)   # pyspy: the same under py-spy, every process sampled (collapsed
                           # stacks, read by bench/pyspy_top.py: each service's host time by
                           # function); where py-spy can't trace there, the plain step
@@ -78,6 +84,8 @@ run)
                      --out "$OUT/sampled_step.json" >>"$log" 2>&1 ;;
         profile) timeout "${PROFILE_S:-200}" python3 bench/profile_step.py --out "$OUT" ${PROFILE_ARGS:-} \
                      >>"$log" 2>&1 ;;
+        attninv) timeout "${ATTNINV_S:-200}" python3 bench/attention_invariance_gpu.py \
+                     --out "$OUT/attn_inv.json" ${ATTNINV_ARGS:-} >>"$log" 2>&1 ;;
         attention) timeout "${ATTN_S:-150}" python3 bench/attention_probe.py ${ATTN_ARGS:-} \
                        --out "$OUT/attention_probe.json" >>"$log" 2>&1 ;;
         accept) timeout "${ACCEPT_S:-120}" python3 bench/bench_accept.py --device cuda --files 4 \

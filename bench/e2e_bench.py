@@ -149,11 +149,12 @@ def replay_phase(target: str, device: str, work: Path, label: str, drafting: tup
 
 
 def model_phase(target: str, draft: str, device: str, draft_device: str,
-                prompts: list[list[int]], max_tokens: int, max_batch: int) -> dict:
+                prompts: list[list[int]], max_tokens: int, max_batch: int,
+                verify_flags: tuple[str, ...] = ()) -> dict:
     with start("model-draft", cli_command("draft", "--method", "model", "--model", draft,
                                           "--envelope", "chain4", "--port", "0",
                                           "--device", draft_device)) as d, \
-            start("verify", verify_argv(target, device, d.addr, max_batch)) as v:
+            start("verify", verify_argv(target, device, d.addr, max_batch, verify_flags)) as v:
         r = throughput(v.addr, prompts, max_tokens, no_spec=False, metrics=metrics_url(v))
         r.pop("ids")
         print(f"draft-model b={len(prompts)}: {r['tok_s']:.1f} tok/s, "
@@ -176,13 +177,15 @@ AB_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
             batches: list[int], drafting: tuple[str, ...], work: Path,
-            placement: str = "same", ab: Collection[str] = (), first_reps: int = 3) -> dict:
+            placement: str = "same", ab: Collection[str] = (), first_reps: int = 3,
+            verify_flags: tuple[str, ...] = ()) -> dict:
     """prompts: at least sum(batches); each batch size gets its own prompts, so each
     replay reference is recorded at the batch shape it is replayed at. drafting: the
     replay instrument's --accept / --corrupt flags. ab: AB_VARIANTS keys, each also run
     at the first batch size, its keys suffixed `_<key>`, for side-by-side comparisons.
     first_reps: timed runs at the first batch size (a 0.2-0.7 s run at batch 1 moves
-    with one slow prefill: 27-95 ms on the H200), the median's figures kept."""
+    with one slow prefill: 27-95 ms on the H200), the median's figures kept.
+    verify_flags: every verify service's extra flags (plain and speculative alike)."""
     res: dict = {"placement": placement}
     reps = {batches[0]: first_reps}
     draft_device, device = placement_devices(placement, device)
@@ -190,7 +193,7 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     for b in batches:
         sets[b], at = prompts[at:at + b], at + b
     # 1. plain decode through the verify service (no draft): the baseline.
-    v = start("verify", verify_argv(target, device, None, max(batches)))
+    v = start("verify", verify_argv(target, device, None, max(batches), verify_flags))
     plain: dict[int, list[list[int]]] = {}
     try:
         for b in batches:
@@ -208,24 +211,25 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     #    argmaxes can flip (bench/divergence.py), after which a continuation
     #    recorded by plain decode would never be accepted again.
     refs = replay_phase(target, device, work, "reject", ("--corrupt", "1.0"), sets, max_tokens,
-                        plain, plain, res)
+                        plain, plain, res, verify_extra=verify_flags)
     # 3. replay instrument (chain of 4) at the set tokens per step.
     replay_phase(target, device, work, "replay", drafting, sets, max_tokens, refs, plain, res,
-                 reps=reps)
+                 verify_extra=verify_flags, reps=reps)
     b = batches[0]
     for suffix, (_, verify_extra) in AB_VARIANTS.items():
         if suffix not in ab:
             continue
         variant: dict = {}
         replay_phase(target, device, work, "replay", drafting, {b: sets[b]}, max_tokens,
-                     {b: refs[b]}, {b: plain[b]}, variant, verify_extra=verify_extra, reps=reps)
+                     {b: refs[b]}, {b: plain[b]}, variant,
+                     verify_extra=verify_flags + verify_extra, reps=reps)
         res.update({f"{k}_{suffix}": v for k, v in variant.items()})
     # 4. the draft-model proposer (random weights: acceptance is near zero, so this
     #    measures what a draft costs, not what it buys). Its failure must not cost
     #    the figures above.
     try:
         res["model_b1"] = model_phase(target, draft, device, draft_device, sets[batches[0]],
-                                      max_tokens, max(batches))
+                                      max_tokens, max(batches), verify_flags)
     except Exception as e:
         res["model_b1"] = {"error": f"{type(e).__name__}: {e}"}
         print("draft-model phase failed:", res["model_b1"]["error"], flush=True)

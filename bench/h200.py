@@ -57,8 +57,9 @@ def main() -> None:
                     help="timed verify steps at each (batch, nodes) of the verify section "
                          "(tests/test_bench_smoke.py's tiny CPU run takes 3)")
     ap.add_argument("--kernels", default="auto", choices=["auto", "invariant"],
-                    help="the verify section's kernels: invariant = one K order for every "
-                         "row count (issue 53; kernels/triton_invariant.py)")
+                    help="the verify section's and the e2e services' kernels: invariant = one "
+                         "reduction order for every batch shape (issue 53; verify "
+                         "--batch-invariant on)")
     ap.add_argument("--verify-batches", default="1,8", help="the verify section's batches")
     ap.add_argument("--work", default="")
     ap.add_argument("--no-plant", action="store_true",
@@ -151,8 +152,10 @@ def main() -> None:
         out["replay_drafting"] = " ".join(drafting)
         r = run_e2e(str(target_dir), str(draft_dir), a.device, prompts, a.max_tokens,
                     batches, drafting, work, a.placement,
-                    [k for k in AB_FLAGS if getattr(a, f"ab_{k}")])
+                    [k for k in AB_FLAGS if getattr(a, f"ab_{k}")],
+                    verify_flags=("--batch-invariant", "on") if a.kernels == "invariant" else ())
         out["e2e"] = r
+        out["e2e_kernels"] = a.kernels
         out["oracle4_tok_s"] = r["replay_b1"]["tok_s"]
         out["oracle4_tokens_per_step"] = r["replay_b1"]["tokens_per_step"]
         if "decode_tok_s" in r["replay_b1"] and "decode_tok_s" in r.get("plain_b1", {}):
