@@ -124,10 +124,14 @@ class Qwen3Model(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+    def new_cache(self, num_blocks: int, block_size: int,
+                  prefix_caching: bool = False) -> PagedKVCache:
+        """prefix_caching: full pages shared by their tokens' keys, which name this
+        model's shape and dtype (treespec.common.runtime.prefix_cache)."""
         s = self.spec
         return PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, num_blocks,
-                            block_size, self.dtype, self.device)
+                            block_size, self.dtype, self.device,
+                            prefix=repr(s) if prefix_caching else None)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, cache: PagedKVCache, ops: ModuleType,
