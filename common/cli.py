@@ -59,6 +59,7 @@ def positive_int(text: str) -> int:
 
 
 RUNTIME = ("host", "port", "device", "dtype", "kernels", "num_blocks", "block_size",
+           "prefix_caching",
            "metrics_port", "tls_cert", "tls_key", "tls_client_ca", "api_key_file", "reflection")
 
 
@@ -73,6 +74,9 @@ def add_runtime(p: argparse.ArgumentParser) -> None:
                    help="kernel backend (default auto)")
     p.add_argument("--num-blocks", type=int, help="KV cache pages")
     p.add_argument("--block-size", type=int, help="tokens per KV page")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_const",
+                   const=False, help="compute every prompt's KV anew (default: full KV pages "
+                   "of a prefix seen before are reused)")
     p.add_argument("--metrics-port", type=int, metavar="P",
                    help="serve Prometheus /metrics on P (0 picks a free one; default off)")
     p.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")

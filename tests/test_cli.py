@@ -158,7 +158,7 @@ def test_generate_json_prints_one_object(capsys):
     assert obj == {"token_ids": [1, 2, 3], "text": "", "finish_reason": "length",
                    "stats": {"steps": 2, "draft_tokens": 0, "accepted_tokens": 0,
                              "fallback_steps": 0, "planned_plain_steps": 0, "prompt_tokens": 3,
-                             "completion_tokens": 3}}
+                             "completion_tokens": 3, "cached_tokens": 0}}
     r = fake.requests[-1]
     assert list(r.prompt_ids) == [4, 5, 6] and r.max_tokens == 3
     assert list(r.stop_token_ids) == [7, 8, 9] and r.ignore_eos and r.no_speculation

@@ -9,6 +9,14 @@ rows the controller asks: verify_service/scheduler.py), run (ONE target forward 
 common/spec/sampling.py). A missing, late or broken proposal turns the step into plain
 decode: output never changes.
 
+Prefix caching (on unless ``prefix_caching=False``; common/runtime/prefix_cache.py): a
+request starts from the KV pages of its prompt's longest cached prefix (full pages, at
+least the last prompt token left to prefill) and prefills the rest; each sequence's pages
+join the cache once full and committed (prompt pages after prefill, generated ones as
+they fill), and stay cached after it ends until their space is needed. A sequence whose
+drafter reads the target's hidden states (EAGLE-3, DFlash) prefills its whole prompt: a
+cached prefix has none to send.
+
 The draft is reached through a ``Drafter`` (verify_service/drafter.py); the engine
 never sees its carrier. All state is touched only on the event loop; compute runs
 where treespec.verify_service.step_runner puts it (a worker thread, or the loop when busy
@@ -48,9 +56,9 @@ class VerifyEngine:
                  kernels: str = "auto", busy_poll: bool = False,
                  observer: EngineObserver | None = None,
                  sampling_defaults: dict | None = None, max_waiting: int = 1024,
-                 speculation: str = "adaptive") -> None:
+                 speculation: str = "adaptive", prefix_caching: bool = True) -> None:
         self.spec = model.spec
-        self.cache = model.new_cache(num_blocks, block_size)
+        self.cache = model.new_cache(num_blocks, block_size, prefix_caching)
         self.verifier = Verifier(model, self.cache, select(model.device, kernels), True, max_batch)
         self.runner = StepRunner(self.verifier, busy_poll)
         self.max_batch, self.max_waiting = max_batch, max_waiting
@@ -69,11 +77,18 @@ class VerifyEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._said_no_reuse = False
 
     @property
     def kv_pages_used(self) -> int:
-        """Pages held by sequences (the verifier's own scratch page excluded)."""
+        """Pages held by sequences (the verifier's own scratch page excluded; cached
+        pages no sequence holds are not: ``kv_pages_cached``)."""
         return self.cache.blocks.num_used - self.verifier.reserved_pages
+
+    @property
+    def kv_pages_cached(self) -> int:
+        """Pages held by no sequence, kept for the prefixes they cache."""
+        return 0 if self.cache.prefix is None else self.cache.prefix.num_cached
 
     # ------------------------------------------------------------------ client side
 
@@ -195,14 +210,33 @@ class VerifyEngine:
                 break
             seq = self.waiting[0]
             need = self._pages_for(seq.req)
-            if need > self.cache.blocks.num_free:
+            reuse = self._reuses(seq)
+            hit = self.cache.cached_prefix(seq.pages, seq.tokens) if reuse else []
+            taken = self.cache.prefix.unheld(hit) if hit else 0    # cached pages it would hold
+            if need - len(hit) + taken > self.cache.blocks.num_free:
                 self._limited("--num-blocks", f"{self.cache.blocks.num_free} of "
                               f"{self.cache.blocks.num_blocks} KV pages are free")
                 break
             self.waiting.popleft()
+            if reuse:
+                seq.stats.cached_tokens = self.cache.take_prefix(seq.pages, hit, len(seq.tokens))
             self.cache.reserve(seq.pages, need * self.cache.block_size)
             # running from here on, so a failed prefill is reaped (pages back, clients told)
             self.running.append(seq)
+
+    def _reuses(self, seq: Sequence) -> bool:
+        """Whether seq may start from a cached prefix: not when its drafter reads the
+        target's hidden states of every prompt token (a cached prefix has none)."""
+        if self.cache.prefix is None:
+            return False
+        if seq.speculative and self.verifier.capture_layers:
+            if not self._said_no_reuse:
+                self._said_no_reuse = True
+                log.info("prefix caching: sequences the draft speculates on prefill their "
+                         "whole prompt (the drafter reads the target's hidden states, which "
+                         "a cached prefix does not have)")
+            return False
+        return True
 
     async def _prefill(self) -> None:
         """One forward over the next chunks of the prompts being prefilled, oldest first,
@@ -227,12 +261,13 @@ class VerifyEngine:
         done = []
         for i, (seq, chunk) in enumerate(chunks):
             rows = feats[i] if feats is not None and seq.speculative else None
-            if rows is None:
+            if rows is None or seq.stats.cached_tokens:   # a cached prefix: no rows
                 seq.hidden = None
             elif seq.pages.kv_len == len(chunk):       # its first chunk
                 seq.hidden = RowBuffer(rows)
             elif seq.hidden is not None:
                 seq.hidden.append(rows)
+            self.cache.register(seq.pages, seq.tokens)
             if not seq.prefilling:
                 seq.emit(seq.commit([firsts[i]]))
                 done.append(seq)
@@ -300,6 +335,7 @@ class VerifyEngine:
                 s.hidden.append(result.hidden[i])
             elif result.hidden is None:
                 s.hidden = None
+            self.cache.register(s.pages, s.tokens)
             s.emit(kept)
         return rows
 

@@ -13,6 +13,8 @@ all labelled ``model_name``:
     vllm:request_success                         {finished_reason: stop, length, abort}
     vllm:num_requests_running / _waiting         gauges
     vllm:kv_cache_usage_perc                     gauge, used / all target KV pages
+    vllm:prefix_cache_queries / _hits            prompt tokens looked up in the prefix cache
+                                                 / found there (= RequestStats.cached_tokens)
 
 treespec's own (vLLM has none of these):
 
@@ -29,6 +31,8 @@ treespec's own (vLLM has none of these):
     treespec:verify_forward_seconds              target forward + accept walk + KV commit
     treespec:step_seconds / treespec:prefill_seconds   whole engine iterations
     treespec:kv_pages_used / treespec:kv_pages_free    gauges
+    treespec:kv_pages_cached                     gauge: pages no sequence holds, kept for
+                                                 the prefixes they cache (part of _free)
     treespec:spec_budget_depth                   histogram of the controller's depth per step
                                                  (0: plain decode; verify_service/controller.py)
     treespec:spec_budget_expected_tokens         gauge: its expected committed tokens, last step
@@ -47,7 +51,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from treespec.common.serving.metrics import LATENCY_BUCKETS, MetricsServer
+from treespec.common.serving.metrics import LATENCY_BUCKETS, MetricsServer, PrefixCacheCounters
 from treespec.verify_service.observer import EngineObserver, StepRecord
 from treespec.verify_service.sequence import Sequence
 
@@ -138,7 +142,9 @@ class VerifyMetrics(EngineObserver):
             ("vllm:num_requests_waiting", "Requests waiting for admission."),
             ("vllm:kv_cache_usage_perc", "Fraction of target KV pages in use."),
             ("treespec:kv_pages_used", "Target KV pages held by sequences."),
-            ("treespec:kv_pages_free", "Target KV pages free."),
+            ("treespec:kv_pages_free", "Target KV pages free (cached ones included)."),
+            ("treespec:kv_pages_cached", "Target KV pages no sequence holds, kept for the "
+             "prefixes they cache."),
             ("treespec:draft_connected", "1 while the Speculate stream is up."))}
 
     def watch(self, engine: VerifyEngine) -> None:
@@ -152,6 +158,12 @@ class VerifyMetrics(EngineObserver):
         g["vllm:kv_cache_usage_perc"].set_function(lambda: blocks.num_used / blocks.num_blocks)
         g["treespec:kv_pages_used"].set_function(used)
         g["treespec:kv_pages_free"].set_function(lambda: blocks.num_free)
+        prefix = getattr(engine.cache, "prefix", None)
+        g["treespec:kv_pages_cached"].set_function(
+            lambda: 0 if prefix is None else prefix.num_cached)
+        if prefix is not None:
+            PrefixCacheCounters(self.registry, "model_name", self.model_name,
+                                lambda: (prefix.queries, prefix.hits))
         g["treespec:draft_connected"].set_function(
             lambda: float(engine.link is not None and engine.link.ready))
 

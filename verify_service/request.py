@@ -46,6 +46,7 @@ class Stats:
     accepted_tokens: int = 0   # accepted draft tokens, bonus tokens excluded
     fallback_steps: int = 0    # steps with no usable proposal while speculating
     planned_plain_steps: int = 0   # steps the speculation controller chose to run plain
+    cached_tokens: int = 0     # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass

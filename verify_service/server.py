@@ -68,7 +68,8 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
     engine = VerifyEngine(model, cfg.num_blocks, cfg.block_size, cfg.max_batch,
                           cfg.max_model_len, cfg.prefill_tokens, link=link, kernels=cfg.kernels,
                           busy_poll=busy, observer=observer, sampling_defaults=defaults,
-                          max_waiting=cfg.max_waiting, speculation=cfg.speculation)
+                          max_waiting=cfg.max_waiting, speculation=cfg.speculation,
+                          prefix_caching=cfg.prefix_caching)
     if device.type == "cuda":
         log.info("verify warm-up (plain decode's graphs, batch buckets to %d) took %.1f s",
                  cfg.max_batch, engine.verifier.warm_up())

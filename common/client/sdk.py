@@ -38,7 +38,7 @@ FINISH_REASONS: dict[int, str] = {
     pb.FINISH_REASON_CANCELLED: "cancelled",
 }
 STAT_KEYS = ("steps", "draft_tokens", "accepted_tokens", "fallback_steps",
-             "planned_plain_steps", "prompt_tokens", "completion_tokens")
+             "planned_plain_steps", "prompt_tokens", "completion_tokens", "cached_tokens")
 _RETRY_READY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 2000),
                     ("grpc.max_receive_message_length", -1)]

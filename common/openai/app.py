@@ -121,7 +121,8 @@ async def events(shape: ResponseShape, first: Delta, source: AsyncIterator[Delta
                 yield event(shape.chunk(None if chat else "", d.finish_reason, stats=d.stats,
                                         with_usage=include_usage))
                 if include_usage:
-                    yield event(shape.usage_chunk(usage(prompt_tokens, d.completion_tokens)))
+                    yield event(shape.usage_chunk(usage(prompt_tokens, d.completion_tokens,
+                                                             d.stats)))
                 break
             d = await anext(source)
     except TreespecError as e:
@@ -172,7 +173,7 @@ def build_app(gw: Gateway) -> FastAPI:
                 text, last = done
                 return JSONResponse(shape.completion(
                     text, last.finish_reason or "stop",
-                    usage(len(p.prompt_ids), last.completion_tokens), last.stats))
+                    usage(len(p.prompt_ids), last.completion_tokens, last.stats), last.stats))
             first = await unless_disconnected(request, anext(source))
         except TreespecError as e:
             await source.aclose()

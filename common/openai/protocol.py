@@ -129,9 +129,13 @@ class ResponseShape:
         return {**self._envelope(_OBJECT[self.kind][1], []), "usage": usage}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, stats: dict | None = None) -> dict:
+    """OpenAI's usage; stats (the verify's, when it finished the request) say how many
+    prompt tokens came from the prefix cache."""
+    cached = (stats or {}).get("cached_tokens", 0)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def model_list(name: str, owned_by: str = "treespec") -> dict:

@@ -86,10 +86,11 @@ class PagedKVCache:
 
     def register(self, seq: SeqPages, tokens: list[int]) -> None:
         """Offer seq's pages that are full below kv_len to the prefix cache (tokens: the
-        sequence's, whose first kv_len have their KV written)."""
+        sequence's, whose first kv_len have their KV written; KV past them, of draft
+        tokens after a stop, is not offered)."""
         if self.prefix is None:
             return
-        full = seq.kv_len // self.block_size
+        full = min(seq.kv_len, len(tokens)) // self.block_size
         if full <= seq.registered:
             return
         seq.keys = self.prefix.keys(tokens, full, seq.keys)

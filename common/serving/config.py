@@ -23,6 +23,7 @@ class ServiceConfig:
     kernels: str = "auto"             # auto | reference | triton
     num_blocks: int = 2048            # KV pages (each service sets its own default)
     block_size: int = 16              # tokens per KV page
+    prefix_caching: bool = True       # share full KV pages of equal prefixes (--no-prefix-caching)
     tls_cert: str | None = None       # serve TLS with this certificate chain (PEM)
     tls_key: str | None = None        # and this private key
     tls_client_ca: str | None = None  # mutual TLS: clients need a certificate of this CA

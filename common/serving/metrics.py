@@ -14,8 +14,10 @@ for is ``treespec:``. See README "Metrics".
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 from treespec.common.serving.bind import BindError, check_bindable
 
@@ -46,3 +48,24 @@ class MetricsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+class PrefixCacheCounters:
+    """vLLM's prefix-cache counters, in tokens, read from a PrefixCache at scrape time
+    (``vllm:prefix_cache_queries_total``: prompt tokens looked up;
+    ``vllm:prefix_cache_hits_total``: of those, tokens whose KV was found)."""
+
+    def __init__(self, registry: CollectorRegistry, label: str, value: str,
+                 read: Callable[[], tuple[int, int]]) -> None:
+        self._label, self._value, self._read = label, value, read
+        registry.register(self)
+
+    def collect(self):
+        queries, hits = self._read()
+        for name, doc, v in (("vllm:prefix_cache_queries", "Prompt tokens looked up in the "
+                              "prefix cache.", queries),
+                             ("vllm:prefix_cache_hits", "Prompt tokens whose KV the prefix "
+                              "cache held.", hits)):
+            family = CounterMetricFamily(name, doc, labels=[self._label])
+            family.add_metric([self._value], v)
+            yield family

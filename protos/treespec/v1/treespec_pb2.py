@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*treespec/protos/treespec/v1/treespec.proto\x12\x0btreespec.v1\"b\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x1a\n\rshared_offset\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_shared_offset\"L\n\x0cTreeEnvelope\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\x05\x12\x0c\n\x04topk\x18\x03 \x01(\x05\x12\x11\n\tnum_nodes\x18\x04 \x01(\x05\"\xb0\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_p\"\xd0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12-\n\x08sampling\x18\x07 \x01(\x0b\x32\x1b.treespec.v1.SamplingParams\x12\x16\n\x0eno_speculation\x18\x08 \x01(\x08\"\xb3\x01\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x05\x12\x16\n\x0e\x66\x61llback_steps\x18\x06 \x01(\x05\x12\x1b\n\x13planned_plain_steps\x18\x07 \x01(\x05\"\x8f\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.treespec.v1.FinishReason\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.treespec.v1.RequestStats\"\x17\n\x15GenerationInfoRequest\"\x88\x02\n\x0eGenerationInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12+\n\x08\x65nvelope\x18\x05 \x01(\x0b\x32\x19.treespec.v1.TreeEnvelope\x12\x17\n\x0f\x64raft_connected\x18\x06 \x01(\x08\x12\x10\n\x08proposer\x18\x07 \x01(\t\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x12\x36\n\x11sampling_defaults\x18\t \x01(\x0b\x32\x1b.treespec.v1.SamplingParams\"\x14\n\x12\x44rafterInfoRequest\"\xfb\x01\n\x0b\x44rafterInfo\x12+\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x19.treespec.v1.TreeEnvelope\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x10\n\x08proposer\x18\x03 \x01(\t\x12\x1c\n\x14target_hidden_layers\x18\x04 \x03(\x05\x12\r\n\x05model\x18\x05 \x01(\t\x12\x14\n\x0clocal_socket\x18\x06 \x01(\t\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x17\n\x0fprojected_width\x18\t \x01(\r\x12\x11\n\tlookahead\x18\n \x01(\r\"\x13\n\x11ProjectionRequest\"\xac\x02\n\x0eSequenceUpdate\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rcommitted_len\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x0c\n\x04\x66ull\x18\x04 \x01(\x08\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x05 \x03(\x05\x12\x18\n\x10\x61\x63\x63\x65pted_step_id\x18\x06 \x01(\x04\x12*\n\rhidden_states\x18\x07 \x01(\x0b\x32\x13.treespec.v1.Tensor\x12-\n\x08sampling\x18\x08 \x01(\x0b\x32\x1b.treespec.v1.SamplingParams\x12\x1a\n\x12rejection_sampling\x18\t \x01(\x08\x12\x15\n\rlookahead_hit\x18\n \x01(\r\x12\x11\n\tlookahead\x18\x0b \x01(\x08\"\xf5\x01\n\x10SpeculateRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.treespec.v1.SequenceUpdate\x12\x10\n\x08released\x18\x03 \x03(\x04\x12\x46\n\rtrace_context\x18\x04 \x03(\x0b\x32/.treespec.v1.SpeculateRequest.TraceContextEntry\x12\x11\n\tmax_depth\x18\x05 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc1\x02\n\x08Proposal\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12#\n\x06tokens\x18\x03 \x01(\x0b\x32\x13.treespec.v1.Tensor\x12$\n\x07parents\x18\x04 \x01(\x0b\x32\x13.treespec.v1.Tensor\x12\x0e\n\x06resync\x18\x05 \x03(\x04\x12\x18\n\x10received_unix_ns\x18\x06 \x01(\x03\x12\x14\n\x0csent_unix_ns\x18\x07 \x01(\x03\x12\"\n\x05q_ids\x18\x08 \x01(\x0b\x32\x13.treespec.v1.Tensor\x12$\n\x07q_probs\x18\t \x01(\x0b\x32\x13.treespec.v1.Tensor\x12\x11\n\tlookahead\x18\n \x01(\x08\x12+\n\x0elookahead_keys\x18\x0b \x01(\x0b\x32\x13.treespec.v1.Tensor*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xa3\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.treespec.v1.GenerateRequest\x1a\x1d.treespec.v1.GenerateResponse0\x01\x12J\n\x07GetInfo\x12\".treespec.v1.GenerationInfoRequest\x1a\x1b.treespec.v1.GenerationInfo2\xde\x01\n\x07\x44rafter\x12\x44\n\x07GetInfo\x12\x1f.treespec.v1.DrafterInfoRequest\x1a\x18.treespec.v1.DrafterInfo\x12\x45\n\tSpeculate\x12\x1d.treespec.v1.SpeculateRequest\x1a\x15.treespec.v1.Proposal(\x01\x30\x01\x12\x46\n\rGetProjection\x12\x1e.treespec.v1.ProjectionRequest\x1a\x13.treespec.v1.Tensor0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*treespec/protos/treespec/v1/treespec.proto\x12\x0btreespec.v1\"b\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x1a\n\rshared_offset\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_shared_offset\"L\n\x0cTreeEnvelope\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\x05\x12\x0c\n\x04topk\x18\x03 \x01(\x05\x12\x11\n\tnum_nodes\x18\x04 \x01(\x05\"\xb0\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_p\"\xd0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12-\n\x08sampling\x18\x07 \x01(\x0b\x32\x1b.treespec.v1.SamplingParams\x12\x16\n\x0eno_speculation\x18\x08 \x01(\x08\"\xca\x01\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x05\x12\x16\n\x0e\x66\x61llback_steps\x18\x06 \x01(\x05\x12\x1b\n\x13planned_plain_steps\x18\x07 \x01(\x05\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\"\x8f\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.treespec.v1.FinishReason\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.treespec.v1.RequestStats\"\x17\n\x15GenerationInfoRequest\"\x88\x02\n\x0eGenerationInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12+\n\x08\x65nvelope\x18\x05 \x01(\x0b\x32\x19.treespec.v1.TreeEnvelope\x12\x17\n\x0f\x64raft_connected\x18\x06 \x01(\x08\x12\x10\n\x08proposer\x18\x07 \x01(\t\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x12\x36\n\x11sampling_defaults\x18\t \x01(\x0b\x32\x1b.treespec.v1.SamplingParams\"\x14\n\x12\x44rafterInfoRequest\"\xfb\x01\n\x0b\x44rafterInfo\x12+\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x19.treespec.v1.TreeEnvelope\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x10\n\x08proposer\x18\x03 \x01(\t\x12\x1c\n\x14target_hidden_layers\x18\x04 \x03(\x05\x12\r\n\x05model\x18\x05 \x01(\t\x12\x14\n\x0clocal_socket\x18\x06 \x01(\t\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x17\n\x0fprojected_width\x18\t \x01(\r\x12\x11\n\tlookahead\x18\n \x01(\r\"\x13\n\x11ProjectionRequest\"\xac\x02\n\x0eSequenceUpdate\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rcommitted_len\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x0c\n\x04\x66ull\x18\x04 \x01(\x08\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x05 \x03(\x05\x12\x18\n\x10\x61\x63\x63\x65pted_step_id\x18\x06 \x01(\x04\x12*\n\rhidden_states\x18\x07 \x01(\x0b\x32\x13.treespec.v1.Tensor\x12-\n\x08sampling\x18\x08 \x01(\x0b\x32\x1b.treespec.v1.SamplingParams\x12\x1a\n\x12rejection_sampling\x18\t \x01(\x08\x12\x15\n\rlookahead_hit\x18\n \x01(\r\x12\x11\n\tlookahead\x18\x0b \x01(\x08\"\xf5\x01\n\x10SpeculateRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.treespec.v1.SequenceUpdate\x12\x10\n\x08released\x18\x03 \x03(\x04\x12\x46\n\rtrace_context\x18\x04 \x03(\x0b\x32/.treespec.v1.SpeculateRequest.TraceContextEntry\x12\x11\n\tmax_depth\x18\x05 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc1\x02\n\x08Proposal\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12#\n\x06tokens\x18\x03 \x01(\x0b\x32\x13.treespec.v1.Tensor\x12$\n\x07parents\x18\x04 \x01(\x0b\x32\x13.treespec.v1.Tensor\x12\x0e\n\x06resync\x18\x05 \x03(\x04\x12\x18\n\x10received_unix_ns\x18\x06 \x01(\x03\x12\x14\n\x0csent_unix_ns\x18\x07 \x01(\x03\x12\"\n\x05q_ids\x18\x08 \x01(\x0b\x32\x13.treespec.v1.Tensor\x12$\n\x07q_probs\x18\t \x01(\x0b\x32\x13.treespec.v1.Tensor\x12\x11\n\tlookahead\x18\n \x01(\x08\x12+\n\x0elookahead_keys\x18\x0b \x01(\x0b\x32\x13.treespec.v1.Tensor*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xa3\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.treespec.v1.GenerateRequest\x1a\x1d.treespec.v1.GenerateResponse0\x01\x12J\n\x07GetInfo\x12\".treespec.v1.GenerationInfoRequest\x1a\x1b.treespec.v1.GenerationInfo2\xde\x01\n\x07\x44rafter\x12\x44\n\x07GetInfo\x12\x1f.treespec.v1.DrafterInfoRequest\x1a\x18.treespec.v1.DrafterInfo\x12\x45\n\tSpeculate\x12\x1d.treespec.v1.SpeculateRequest\x1a\x15.treespec.v1.Proposal(\x01\x30\x01\x12\x46\n\rGetProjection\x12\x1e.treespec.v1.ProjectionRequest\x1a\x13.treespec.v1.Tensor0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SPECULATEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_SPECULATEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2419
-  _globals['_FINISHREASON']._serialized_end=2543
+  _globals['_FINISHREASON']._serialized_start=2442
+  _globals['_FINISHREASON']._serialized_end=2566
   _globals['_TENSOR']._serialized_start=59
   _globals['_TENSOR']._serialized_end=157
   _globals['_TREEENVELOPE']._serialized_start=159
@@ -44,29 +44,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=417
   _globals['_GENERATEREQUEST']._serialized_end=625
   _globals['_REQUESTSTATS']._serialized_start=628
-  _globals['_REQUESTSTATS']._serialized_end=807
-  _globals['_GENERATERESPONSE']._serialized_start=810
-  _globals['_GENERATERESPONSE']._serialized_end=953
-  _globals['_GENERATIONINFOREQUEST']._serialized_start=955
-  _globals['_GENERATIONINFOREQUEST']._serialized_end=978
-  _globals['_GENERATIONINFO']._serialized_start=981
-  _globals['_GENERATIONINFO']._serialized_end=1245
-  _globals['_DRAFTERINFOREQUEST']._serialized_start=1247
-  _globals['_DRAFTERINFOREQUEST']._serialized_end=1267
-  _globals['_DRAFTERINFO']._serialized_start=1270
-  _globals['_DRAFTERINFO']._serialized_end=1521
-  _globals['_PROJECTIONREQUEST']._serialized_start=1523
-  _globals['_PROJECTIONREQUEST']._serialized_end=1542
-  _globals['_SEQUENCEUPDATE']._serialized_start=1545
-  _globals['_SEQUENCEUPDATE']._serialized_end=1845
-  _globals['_SPECULATEREQUEST']._serialized_start=1848
-  _globals['_SPECULATEREQUEST']._serialized_end=2093
-  _globals['_SPECULATEREQUEST_TRACECONTEXTENTRY']._serialized_start=2042
-  _globals['_SPECULATEREQUEST_TRACECONTEXTENTRY']._serialized_end=2093
-  _globals['_PROPOSAL']._serialized_start=2096
-  _globals['_PROPOSAL']._serialized_end=2417
-  _globals['_GENERATION']._serialized_start=2546
-  _globals['_GENERATION']._serialized_end=2709
-  _globals['_DRAFTER']._serialized_start=2712
-  _globals['_DRAFTER']._serialized_end=2934
+  _globals['_REQUESTSTATS']._serialized_end=830
+  _globals['_GENERATERESPONSE']._serialized_start=833
+  _globals['_GENERATERESPONSE']._serialized_end=976
+  _globals['_GENERATIONINFOREQUEST']._serialized_start=978
+  _globals['_GENERATIONINFOREQUEST']._serialized_end=1001
+  _globals['_GENERATIONINFO']._serialized_start=1004
+  _globals['_GENERATIONINFO']._serialized_end=1268
+  _globals['_DRAFTERINFOREQUEST']._serialized_start=1270
+  _globals['_DRAFTERINFOREQUEST']._serialized_end=1290
+  _globals['_DRAFTERINFO']._serialized_start=1293
+  _globals['_DRAFTERINFO']._serialized_end=1544
+  _globals['_PROJECTIONREQUEST']._serialized_start=1546
+  _globals['_PROJECTIONREQUEST']._serialized_end=1565
+  _globals['_SEQUENCEUPDATE']._serialized_start=1568
+  _globals['_SEQUENCEUPDATE']._serialized_end=1868
+  _globals['_SPECULATEREQUEST']._serialized_start=1871
+  _globals['_SPECULATEREQUEST']._serialized_end=2116
+  _globals['_SPECULATEREQUEST_TRACECONTEXTENTRY']._serialized_start=2065
+  _globals['_SPECULATEREQUEST_TRACECONTEXTENTRY']._serialized_end=2116
+  _globals['_PROPOSAL']._serialized_start=2119
+  _globals['_PROPOSAL']._serialized_end=2440
+  _globals['_GENERATION']._serialized_start=2569
+  _globals['_GENERATION']._serialized_end=2732
+  _globals['_DRAFTER']._serialized_start=2735
+  _globals['_DRAFTER']._serialized_end=2957
 # @@protoc_insertion_point(module_scope)

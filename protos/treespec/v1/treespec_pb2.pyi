@@ -77,7 +77,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., no_speculation: _Optional[bool] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "steps", "draft_tokens", "accepted_tokens", "fallback_steps", "planned_plain_steps")
+    __slots__ = ("prompt_tokens", "completion_tokens", "steps", "draft_tokens", "accepted_tokens", "fallback_steps", "planned_plain_steps", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class RequestStats(_message.Message):
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_STEPS_FIELD_NUMBER: _ClassVar[int]
     PLANNED_PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     steps: int
@@ -92,7 +93,8 @@ class RequestStats(_message.Message):
     accepted_tokens: int
     fallback_steps: int
     planned_plain_steps: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., fallback_steps: _Optional[int] = ..., planned_plain_steps: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., fallback_steps: _Optional[int] = ..., planned_plain_steps: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")
