@@ -20,6 +20,14 @@ units have draft KV. One step over the batch:
    drafter replays a graph made for that depth (the draft model and EAGLE-3 expand
    only that many levels; DFlash takes the LM head on that many block positions).
 
+Prefix caching, for a drafter whose units are tokens alone (``prefix_tokens``: the draft
+model): a sequence holding no pages starts from the cached pages of its tokens' longest
+cached prefix (at least the newest unit left to forward), and its pages join the cache
+once full below ``kv_len`` (common/runtime/prefix_cache.py). A unit's KV is then shared,
+so going back over it (``rewind``) copies its page first. EAGLE-3 and DFlash units carry
+the target's features, which a cached prefix on the verify service does not send: they
+cache nothing.
+
 A batch with a sampling row drafts it with the request's seeded noise
 (treespec.common.spec.sampling.draft_scores through tree_build.Expansion). The graphs:
 treespec.draft_service.draft_graphs.
@@ -143,6 +151,11 @@ class KVDrafter:
     def _forget(self, st: DraftSeq) -> None:
         """st's KV was dropped: forget whatever refers to it."""
 
+    def prefix_tokens(self, st: DraftSeq) -> list[int] | None:
+        """The tokens that alone decide st's units' KV (None: they do not, no prefix
+        caching): unit i's KV is then keyed by tokens[:i + 1]."""
+        return None
+
     # ------------------------------------------------------------ the Proposer protocol
     def state(self, seq_id: int) -> DraftSeq:
         """seq_id's state, created if new, made the most recently used."""
@@ -182,6 +195,7 @@ class KVDrafter:
             units = self._units(st)
             if units < 1:
                 continue
+            self._reuse_prefix(st, units)
             while True:
                 try:
                     self.cache.reserve(st.pages, units + self._scratch)
@@ -197,6 +211,24 @@ class KVDrafter:
                     self._forget(idle)
         return rows
 
+    def _reuse_prefix(self, st: DraftSeq, units: int) -> None:
+        """A sequence holding no pages takes those of its longest cached prefix."""
+        if st.pages.pages or self.cache.prefix is None:
+            return
+        tokens = self.prefix_tokens(st)
+        if tokens is not None:
+            hit = self.cache.cached_prefix(st.pages, tokens[:units])
+            self.cache.take_prefix(st.pages, hit, units)
+
+    def _register(self, seqs: list[DraftSeq]) -> None:
+        """Offer the sequences' full pages below kv_len to the prefix cache."""
+        if self.cache.prefix is None:
+            return
+        for st in seqs:
+            tokens = self.prefix_tokens(st)
+            if tokens is not None:
+                self.cache.register(st.pages, tokens)
+
     def _out_of_pages(self, seq_id: int) -> None:
         self._short += 1
         if self._short in (1, 100) or self._short % 10000 == 0:
@@ -210,7 +242,7 @@ class KVDrafter:
         c = self.graphs.catch_up_len
         units = [self._units(st) for st in seqs]
         for st, u in zip(seqs, units):
-            st.pages.kv_len = min(st.pages.kv_len, u - 1)       # the newest unit is redone
+            self.cache.rewind(st.pages, u - 1)       # the newest unit is redone
         behind = [(st, st.pages.kv_len, u - c) for st, u in zip(seqs, units)
                   if u - st.pages.kv_len > c]
         for part in prefill_parts(behind, PREFILL_UNITS):
@@ -226,6 +258,7 @@ class KVDrafter:
                                                 value=f) for x, f in zip(out, fills))
         for st, u in zip(seqs, units):
             st.pages.kv_len = u
+        self._register(seqs)
         rejection = sampling is not None and any(r and r.rejection for r in sampling)
         self._drafted(seqs, out)
         trees = TreeBatch(out[0], out[1])

@@ -13,6 +13,9 @@ deadline is drafted here but never offered there). The draft's own, labelled
     treespec:draft_propose_seconds     the proposer's forward alone
     treespec:draft_sequences           gauge, sequences whose state is kept
     treespec:kv_pages_used / _free     gauges, the draft model's KV pages (model proposers)
+    treespec:kv_pages_cached           gauge, of those free: pages kept for their prefixes
+    vllm:prefix_cache_queries / _hits  tokens looked up in the draft's prefix cache / found
+                                       there (the draft model; vLLM's names)
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from treespec.common.serving.metrics import LATENCY_BUCKETS, MetricsServer
+from treespec.common.serving.metrics import LATENCY_BUCKETS, MetricsServer, PrefixCacheCounters
 from treespec.draft_service.observer import DraftStepRecord
 
 if TYPE_CHECKING:
@@ -62,6 +65,12 @@ class DraftMetrics:
                         ).set_function(lambda: blocks.num_used)
             self._gauge("treespec:kv_pages_free", "Draft KV pages free."
                         ).set_function(lambda: blocks.num_free)
+        prefix = getattr(cache, "prefix", None)
+        if prefix is not None:
+            self._gauge("treespec:kv_pages_cached", "Draft KV pages no sequence holds, kept "
+                        "for the prefixes they cache.").set_function(lambda: prefix.num_cached)
+            PrefixCacheCounters(self.registry, "proposer", self.proposer,
+                                lambda: (prefix.queries, prefix.hits))
 
     def step_finished(self, r: DraftStepRecord) -> None:
         self.steps.inc()

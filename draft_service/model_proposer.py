@@ -15,6 +15,11 @@ its length. Example, depth 3, topk 1, committed ``... r``, tree ``a b c``, chunk
 ``a b`` already sit at L, L+1 (no move), kv_len = L + 2 and the catch-up chunk
 is ``[c, x]``. Anything that does not check out (path not in the tree, tokens
 not the committed ones) is simply recomputed.
+
+Prefix caching (on unless ``--no-prefix-caching``): the draft's full KV pages are
+shared by the keys of their tokens (common/runtime/prefix_cache.py, as on the verify
+service), so a sequence whose prompt starts like an earlier one catches up only on the
+rest (KVDrafter._reserve, ``prefix_tokens``).
 """
 
 from __future__ import annotations
@@ -52,20 +57,22 @@ class ModelProposer(KVDrafter):
     lookahead = True            # update() rolls guessed units' KV back (draft_service/lookahead.py)
 
     def __init__(self, model: Qwen3Model, env: TreeEnvelope, ops: ModuleType,
-                 num_blocks: int, block_size: int, model_name: str = "") -> None:
+                 num_blocks: int, block_size: int, model_name: str = "",
+                 prefix_caching: bool = True) -> None:
         if env.topk > model.spec.vocab_size:
             raise ValueError(f"topk {env.topk} exceeds the draft vocabulary")
         self.net = model
         self.vocab_size = model.spec.vocab_size
         self.target_hidden_layers: tuple[int, ...] = ()
         self._depths = level_depths(env, model.device)
-        super().__init__(model.new_cache(num_blocks, block_size), env, ops, model_name, [])
+        super().__init__(model.new_cache(num_blocks, block_size, prefix_caching), env, ops,
+                         model_name, [])
 
     @classmethod
     def load(cls, cfg: DraftConfig, device: torch.device, dtype: torch.dtype) -> ModelProposer:
         model = Qwen3Model.from_pretrained(resolve_model(cfg.model), dtype, device)
         return cls(model, cfg.envelope, select(device, cfg.kernels), cfg.num_blocks,
-                   cfg.block_size, model_name=cfg.model)
+                   cfg.block_size, model_name=cfg.model, prefix_caching=cfg.prefix_caching)
 
     def _new(self) -> _Seq:
         return _Seq()
@@ -74,8 +81,9 @@ class ModelProposer(KVDrafter):
                accepted_nodes: list[int], hidden: torch.Tensor | None) -> None:
         st = self.state(seq_id)
         old = len(tokens) - new_count
-        st.pages.kv_len = min(st.pages.kv_len, old)
-        keep = self._kept_prefix(st, tokens, old, accepted_nodes) if st.tree_base == old else []
+        self.cache.rewind(st.pages, old)    # (guessed tokens' KV after a lookahead)
+        keep = self._kept_prefix(st, tokens, old, accepted_nodes) \
+            if st.tree_base == old == st.pages.kv_len else []
         st.moves += [(old + c, old + i) for i, c in enumerate(keep) if c != i]
         st.pages.kv_len += len(keep)
         st.tokens, st.tree_base = tokens, -1
@@ -103,6 +111,9 @@ class ModelProposer(KVDrafter):
 
     def _inputs(self, st: _Seq, lo: int, hi: int) -> tuple[list[int], list[torch.Tensor]]:
         return st.tokens[lo:hi], []
+
+    def prefix_tokens(self, st: _Seq) -> list[int]:
+        return st.tokens
 
     def _prefill(self, rows: list[tuple[_Seq, int, int]]) -> None:
         fb = build_forward_batch([chain_chunk(st.pages, st.tokens[lo:hi]) for st, lo, hi in rows],
