@@ -84,6 +84,11 @@ run)
                      --out "$OUT/sampled_step.json" >>"$log" 2>&1 ;;
         profile) timeout "${PROFILE_S:-200}" python3 bench/profile_step.py --out "$OUT" ${PROFILE_ARGS:-} \
                      >>"$log" 2>&1 ;;
+        igemm)   # the invariant GEMM's configs, written where the services read them
+            timeout "${IGEMM_S:-200}" python3 bench/invariant_gemm_probe.py \
+                --out "$OUT/igemm.json" --write-config kernels/invariant_gemm_configs.json \
+                ${IGEMM_ARGS:-} >>"$log" 2>&1
+            cp kernels/invariant_gemm_configs.json "$OUT/" 2>>"$log" ;;
         attninv) timeout "${ATTNINV_S:-200}" python3 bench/attention_invariance_gpu.py \
                      --out "$OUT/attn_inv.json" ${ATTNINV_ARGS:-} >>"$log" 2>&1 ;;
         attention) timeout "${ATTN_S:-150}" python3 bench/attention_probe.py ${ATTN_ARGS:-} \

@@ -21,10 +21,10 @@ and depend on (N, K) and the row class only. Past 16 rows a product goes to the
 GEMM library unless a measured config says this kernel wins there
 (``supports``).
 
-Batch-invariant mode (``invariant=True``, issue 53): every M takes the 16-row class's
-tiles in 16-row tiles (a second grid axis), so a row's K order is that of BK = the
-16-row config's whatever M is or where the row sits, and no M goes to the GEMM
-library (whose kernel, tiles and split-K change with M). A tile's rows meet only in
+Batch-invariant mode (``invariant=True``, issue 53): every M takes one config per
+product (``invariant_config``: BM-row tiles, BM tuned with the rest), so a row's K order
+is that of that config's BK whatever M is or where the row sits, and no M goes to the
+GEMM library (whose kernel, tiles and split-K change with M). A tile's rows meet only in
 tl.dot, whose MMA gives each output element its own fixed reduction. Under the
 interpreter tl.dot is numpy's matmul, whose BLAS rounds a row by its place; there each
 tile's products are summed in fp64 and rounded once to fp32 (the order then moves a
@@ -32,6 +32,10 @@ result only where an fp64 sum lies within 2^-29 of an fp32 rounding boundary).
 """
 
 from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
 
 import torch
 import triton
@@ -59,12 +63,18 @@ def _tile_dot(x, w, DOT: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, UP_OFF,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SILU: tl.constexpr,
-                 DOT: tl.constexpr, PDL: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                 SILU: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
+    # programs walk GROUP_M row tiles x every column tile, row tiles fastest: a W tile
+    # is read from memory once per group and then from L2 (one row tile: pid = column tile)
     pid = tl.program_id(0)
-    rn = pid * BN + tl.arange(0, BN)
-    rm = tl.program_id(1) * BM + tl.arange(0, BM)
+    num_n = (N + BN - 1) // BN
+    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+    group_m = tl.minimum((M + BM - 1) // BM - first_m, GROUP_M)
+    in_group = pid % (GROUP_M * num_n)
+    rn = (in_group // group_m) * BN + tl.arange(0, BN)
+    rm = (first_m + in_group % group_m) * BM + tl.arange(0, BM)
     rk = tl.arange(0, BK)
     nmask = rn < N
     mmask = rm < M
@@ -128,8 +138,34 @@ def pick_config(n: int, k: int, silu: bool, bm: int = 16) -> tuple[int, int, int
     return CONFIGS.get((n, k, silu, bm), DEFAULT_CONFIG if bm == 16 else (32, 64, 4, 3))
 
 
+GROUP_M = 8
+# The invariant mode's (BM, BN, BK, num_warps, num_stages) by GPU name and "N,K,silu"
+# (0/1): one config per product for every row count, so any config keeps a row's bits
+# whatever M is; which one is fastest over 1 to thousands of rows is measured by
+# bench/invariant_gemm_probe.py, which writes this file. Elsewhere: 16-row tiles with
+# the 16-row class's config.
+INVARIANT_CONFIGS = Path(__file__).with_name("invariant_gemm_configs.json")
+
+
+@functools.cache
+def _invariant_table(device_name: str) -> dict[str, tuple[int, int, int, int, int]]:
+    if not INVARIANT_CONFIGS.exists():
+        return {}
+    table = json.loads(INVARIANT_CONFIGS.read_text()).get(device_name, {})
+    return {key: tuple(cfg) for key, cfg in table.items()}
+
+
+def invariant_config(n: int, k: int, silu: bool, device: torch.device
+                     ) -> tuple[int, int, int, int, int]:
+    if device.type == "cuda":
+        tuned = _invariant_table(torch.cuda.get_device_name(device)).get(f"{n},{k},{int(silu)}")
+        if tuned:
+            return tuned
+    return (ROW_CLASSES[0], *pick_config(n, k, silu, ROW_CLASSES[0]))
+
+
 def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, silu: bool,
-            config: tuple[int, int, int, int] | None, where: str,
+            config: tuple[int, ...] | None, where: str,
             invariant: bool = False) -> torch.Tensor:
     check_devices(_gemv_kernel, where, x=x, weight=w)
     check_dtype(where, "x", x, FLOAT_DTYPES)
@@ -145,27 +181,31 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, silu: bool,
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    bm = ROW_CLASSES[0] if invariant else row_class(m)
-    bn, bk, warps, stages = config or pick_config(n_out, k, silu, bm)
+    if invariant:
+        bm, bn, bk, warps, stages = config or invariant_config(n_out, k, silu, x.device)
+    else:
+        bm = row_class(m)
+        bn, bk, warps, stages = config or pick_config(n_out, k, silu, bm)
     interp = x.device.type != "cuda"
     dot = (2 if invariant else 1) if interp else 1 if x.dtype == torch.float32 else 0
-    _gemv_kernel[(triton.cdiv(n_out, bn), triton.cdiv(m, bm))](
+    _gemv_kernel[(triton.cdiv(n_out, bn) * triton.cdiv(m, bm),)](
         x, w, out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), n_out if silu else 0,
-        BM=bm, BN=bn, BK=bk, SILU=silu, DOT=dot,
+        BM=bm, BN=bn, BK=bk, GROUP_M=GROUP_M, SILU=silu, DOT=dot,
         num_warps=warps, num_stages=stages, **launch_options(_gemv_kernel, x.device))
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
-           config: tuple[int, int, int, int] | None = None, *,
+           config: tuple[int, ...] | None = None, *,
            invariant: bool = False) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T -> [M, N] in x's dtype; M <= 128 unless invariant (one
-    K order for every M: see the module's docstring)."""
+    K order for every M: see the module's docstring). config: (BN, BK, warps, stages),
+    invariant: (BM, BN, BK, warps, stages)."""
     return _launch(x, weight, weight.shape[0], False, config, "linear", invariant)
 
 
 def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor,
-                    config: tuple[int, int, int, int] | None = None, *,
+                    config: tuple[int, ...] | None = None, *,
                     invariant: bool = False) -> torch.Tensor:
     """silu_mul(linear(x, gate_up)): x [M, K], gate_up [2I, K] -> [M, I]; M as linear's."""
     if gate_up.dim() != 2 or gate_up.shape[0] % 2:

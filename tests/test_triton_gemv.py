@@ -70,23 +70,25 @@ def test_row_does_not_depend_on_row_count():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("silu", [False, True])
 def test_invariant_mode_gives_a_row_the_same_bits_at_any_row_count(dtype, silu):
-    """Invariant mode: a row alone, among 5, 16, 17 and 40 rows (past 16: no GEMM
-    library, more 16-row tiles) at several places, bit for bit; the default mode's
-    past-16 path (torch here, cuBLAS on a GPU) is a different K order."""
+    """Invariant mode: a row alone, among 5, 16, 17, 40 and 150 rows (past 16: no GEMM
+    library, more row tiles; at 150 more than one group of GROUP_M row tiles) at several
+    places, bit for bit; the default mode's past-16 path (torch here, cuBLAS on a GPU) is
+    a different K order."""
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(40, 200, generator=g).to(dtype).to(DEV)
+    x = torch.randn(150, 200, generator=g).to(dtype).to(DEV)
     w = (torch.randn(2 * 48 if silu else 48, 200, generator=g) * 0.1).to(dtype).to(DEV)
     run = gemv.linear_silu_mul if silu else gemv.linear
-    alone = [run(x[i:i + 1], w, SMALL, invariant=True)[0] for i in (0, 3, 16, 39)]
-    for m in (5, 16, 17, 40):
-        rows = torch.randperm(40, generator=g)[:m]
+    cfg = (16, *SMALL)
+    alone = [run(x[i:i + 1], w, cfg, invariant=True)[0] for i in (0, 3, 16, 39)]
+    for m in (5, 16, 17, 40, 150):
+        rows = torch.randperm(150, generator=g)[:m]
         places = (0, m // 2, m - 1, 1)           # first, middle, last, second
         rows[list(places)] = torch.tensor([0, 3, 16, 39])
-        many = run(x[rows], w, SMALL, invariant=True)
+        many = run(x[rows], w, cfg, invariant=True)
         for want, at in zip(alone, places):
             assert torch.equal(many[at], want), (m, at)
-    assert rel_err(gemv.linear(x, w, SMALL, invariant=True) if not silu else
-                   gemv.linear_silu_mul(x, w, SMALL, invariant=True),
+    assert rel_err(gemv.linear(x, w, cfg, invariant=True) if not silu else
+                   gemv.linear_silu_mul(x, w, cfg, invariant=True),
                    F.linear(x.float(), w.float()) if not silu else
                    ref.silu_mul(F.linear(x.float(), w.float()))) < (1e-5 if dtype == torch.float32
                                                                     else 2e-2)

@@ -1,0 +1,120 @@
+"""The batch-invariant GEMM (kernels/triton_gemv.py, invariant=True) on the GPU: which
+one config per Qwen3-8B product serves every row count best, against the default
+path (the skinny kernel up to 16 rows, cuBLAS past), with each config's bits checked.
+
+    python bench/invariant_gemm_probe.py --out FILE [--rows 1,5,40,320,4160]
+        [--write-config kernels/invariant_gemm_configs.json]
+
+Rows: 1 = a plain step at batch 1, 5 = a 4-node verify, 40 / 320 = 5-node trees at
+batch 8 / 64, 4160 = 64-node trees at batch 64. Per product and config: time at every
+row count (a CUDA graph walking weight copies larger than L2, bench/gemv_probe.py's
+graph_ms) and whether a row gives the same bits alone and first, middle and last
+among M rows at every M. The pick per product: among configs invariant at every M,
+the one whose worst time / default time over the row counts is least. --write-config
+merges the picks into the tuned file under this GPU's name (the invariant backend
+reads it at import).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gemv_probe import SHAPES, graph_ms
+from treespec.kernels import triton_backend, triton_gemv
+
+# (BM, BN, BK, num_warps, num_stages); the 16-row class's tiles are tried as well
+CANDIDATES = [(64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (64, 128, 64, 4, 3),
+              (64, 128, 128, 8, 3), (64, 32, 256, 4, 4), (128, 64, 64, 4, 3),
+              (128, 128, 64, 8, 3)]
+
+
+def product(silu: bool, config=None, invariant: bool = True):
+    if not invariant:
+        return triton_backend.linear_silu_mul if silu else triton_backend.linear
+    run = triton_gemv.linear_silu_mul if silu else triton_gemv.linear
+    return lambda x, w: run(x, w, config, invariant=True)
+
+
+def invariant_rows(run, x: torch.Tensor, w: torch.Tensor, rows: list[int]) -> bool:
+    """Row 0 of x alone equals itself first, middle and last among m rows, every m."""
+    alone = run(x[:1], w)[0]
+    for m in rows:
+        if m == 1:
+            continue
+        for at in (0, m // 2, m - 1):
+            idx = torch.arange(1, m + 1, device=x.device) % x.shape[0]
+            idx[at] = 0
+            if not torch.equal(run(x[idx], w)[at], alone):
+                return False
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", default="1,5,40,320,4160")
+    ap.add_argument("--write-config", default="")
+    a = ap.parse_args()
+    rows = [int(r) for r in a.rows.split(",")]
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    torch.manual_seed(0)
+    res: dict = {"device": name, "rows": rows, "products": {}}
+    picks: dict[str, list[int]] = {}
+    for pname, (n, k, silu) in SHAPES["8b"].items():
+        copies = max(2, -(-600_000_000 // (n * k * 2)))
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        xs = {m: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for m in rows}
+        entry: dict = {"N": n, "K": k, "silu": silu, "default_ms": {}, "configs": {}}
+        base = product(silu, invariant=False)
+        for m in rows:
+            entry["default_ms"][m] = graph_ms([lambda w=w, x=xs[m]: base(x, w) for w in ws])
+        n_out = n // 2 if silu else n           # the kernel's output columns
+        sixteen = (16, *triton_gemv.pick_config(n_out, k, silu, 16))
+        for cfg in [sixteen] + CANDIDATES:
+            run = product(silu, cfg)
+            try:
+                want = F.linear(xs[rows[-1]][:64].float(), ws[0].float())
+                got = run(xs[rows[-1]][:64], ws[0]).float()
+                if silu:
+                    want = F.silu(want[:, :n // 2]) * want[:, n // 2:]
+                err = ((got - want).norm() / want.norm()).item()
+                c = {"rel_err": err, "invariant": invariant_rows(run, xs[rows[-1]], ws[0], rows),
+                     "ms": {m: graph_ms([lambda w=w, x=xs[m]: run(x, w) for w in ws])
+                            for m in rows}}
+                c["worst_ratio"] = max(c["ms"][m] / entry["default_ms"][m] for m in rows)
+            except Exception as e:          # a config that does not compile or fit
+                c = {"error": repr(e)[:200]}
+            entry["configs"][str(cfg)] = c
+            print(f"{pname:8s} {cfg}: " + (c.get("error") or
+                  f"inv {c['invariant']} err {c['rel_err']:.1e} worst x{c['worst_ratio']:.2f} "
+                  + " ".join(f"{m}:{c['ms'][m] * 1000:.0f}us" for m in rows)), flush=True)
+        ok = {cfg: c for cfg, c in entry["configs"].items()
+              if c.get("invariant") and c.get("rel_err", 1) < 2e-2}
+        if ok:
+            best = min(ok, key=lambda cfg: ok[cfg]["worst_ratio"])
+            entry["pick"] = best
+            picks[f"{n_out},{k},{int(silu)}"] = list(json.loads(best.replace("(", "[")
+                                                            .replace(")", "]")))
+            print(f"{pname:8s} pick {best} worst x{ok[best]['worst_ratio']:.2f}; default "
+                  + " ".join(f"{m}:{entry['default_ms'][m] * 1000:.0f}us" for m in rows),
+                  flush=True)
+        res["products"][pname] = entry
+        del ws, xs
+        torch.cuda.empty_cache()
+    res["picks"] = picks
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    if a.write_config and picks:
+        path = Path(a.write_config)
+        table = json.loads(path.read_text()) if path.exists() else {}
+        table[name] = {**table.get(name, {}), **picks}
+        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()
