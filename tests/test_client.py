@@ -42,7 +42,7 @@ def test_stream_yields_each_step_and_finishes_with_stats(addr):
     assert chunks[-1].stats == {"steps": 3, "draft_tokens": 12, "accepted_tokens": 3,
                                 "fallback_steps": 0, "planned_plain_steps": 0,
                                 "prompt_tokens": 2,
-                                "completion_tokens": 6}
+                                "completion_tokens": 6, "cached_tokens": 0}
 
 
 def test_generate_collects_a_completion(addr):
