@@ -105,10 +105,10 @@ def main() -> None:
                   + " ".join(f"{m}:{entry['default_ms'][m] * 1000:.0f}us" for m in rows),
                   flush=True)
         res["products"][pname] = entry
+        res["picks"] = picks
+        Path(a.out).write_text(json.dumps(res, indent=1))      # each product as it ends
         del ws, xs
         torch.cuda.empty_cache()
-    res["picks"] = picks
-    Path(a.out).write_text(json.dumps(res, indent=1))
     if a.write_config and picks:
         path = Path(a.write_config)
         table = json.loads(path.read_text()) if path.exists() else {}
