@@ -16,6 +16,9 @@ Layout shared by all kernels (the Triton ones in this package take the same):
   (parent = i - 1); a tree verify is [root, nodes] with root -1 and node i ->
   parent + 1 (or 0 for the root). A query attends to every context slot and to its
   chunk ancestors and itself.
+
+The attention and the chunk masks, batch-invariant, live in reference_attention.py and
+are this module's names too.
 """
 
 from __future__ import annotations
@@ -23,39 +26,9 @@ from __future__ import annotations
 import torch
 
 from treespec.kernels.noise import BONUS_SALT, accept_uniforms, gumbel_noise
-
-PAD = -2            # a chunk parent (and a tree node's parent): padding, seen by no query
-BLOCK = -3          # a chunk parent: the query sees its whole chunk (padding aside)
-
-
-def chunk_mask(chunk_parents: torch.Tensor) -> torch.Tensor:
-    """Ancestor-or-self mask of one chunk: [T] parents -> [T, T] bool.
-
-    mask[i, j] is True when j is i or an ancestor of i. Padding rows see only
-    themselves (so softmax stays finite) and nobody sees padding; a BLOCK row sees
-    every row. A chain (prefill) is the causal mask; a tree walks every node's
-    ancestors up, one level a round.
-    """
-    t = chunk_parents.shape[0]
-    dev = chunk_parents.device
-    parent = chunk_parents.long()
-    rows = torch.arange(t, device=dev)
-    if bool((parent == rows - 1).all()):
-        return torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-    eye = torch.eye(t, dtype=torch.bool, device=dev)
-    mask = eye.clone()
-    hop = torch.where(parent >= 0, parent, -1)
-    while bool((hop >= 0).any()):
-        live = hop >= 0
-        mask[rows[live], hop[live]] = True
-        up = torch.full_like(hop, -1)
-        up[live] = parent[hop[live]].clamp(min=-1)
-        hop = up
-    mask[parent == BLOCK] = True
-    pad = parent == PAD
-    mask[:, pad] = False
-    mask[pad] = eye[pad]
-    return mask
+from treespec.kernels.reference_attention import (BLOCK, KEY_BLOCK, PAD, ROW_TILE,  # noqa: F401
+                                                  TILE_SCORES, _pad_rows, chunk_mask,
+                                                  paged_tree_attention)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
@@ -80,174 +53,10 @@ def tree_ancestors(chunk_parents: torch.Tensor) -> torch.Tensor:
     b, t = chunk_parents.shape
     w = -(-t // 64)
     dev = chunk_parents.device
-    eye = torch.eye(t, dtype=torch.bool, device=dev)
-    masks = torch.stack([chunk_mask(chunk_parents[i]) & ~eye for i in range(b)])  # [B, T, T]
+    masks = chunk_mask(chunk_parents) & ~torch.eye(t, dtype=torch.bool, device=dev)  # [B, T, T]
     masks = torch.nn.functional.pad(masks, (0, 64 * w - t)).view(b * t, w, 64).long()
     weights = torch.ones(64, dtype=torch.int64, device=dev) << torch.arange(64, device=dev)
     return (masks * weights).sum(-1)        # distinct bits: the sum is their OR
-
-
-# score elements (query rows x query heads x keys) one attention tile holds at most: a
-# long chunk's queries are taken in tiles of rows, so its memory is linear in the
-# context, not [chunk, context]. Rows are computed independently (below), so tiling
-# changes no bit.
-TILE_SCORES = 1 << 20
-# Batch invariance (a row's bits do not depend on the rows beside it; bench/NOTES.md): every
-# reduction runs over a row's visible keys in position order, in blocks of KEY_BLOCK keys
-# aligned at position 0, each block one product of a fixed shape, the blocks' partial
-# sums added pairwise. A decode row and a tree node at the same position (whose
-# ancestors sit anywhere in its chunk) then reduce the same numbers in the same order,
-# and keys past a row's own contribute exact zeros.
-KEY_BLOCK = 64
-# The CPU BLAS rounds an fp32 row by the product's row count below 12 rows unless that
-# count is a multiple of 4 (MKL sgemm, 1 to 8 threads); padded to a multiple of ROW_TILE,
-# a row's bits are the same at any count and place (tests/test_batch_invariance.py).
-# bf16 linears (oneDNN) gave every row the same bits at 1 to 200 rows unpadded, and
-# padding one row to 4 cost them 2 x.
-ROW_TILE = 4
-
-
-def _pad_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """x with zero rows appended along dim up to a multiple of ROW_TILE."""
-    extra = -x.shape[dim] % ROW_TILE
-    if not extra:
-        return x
-    shape = list(x.shape)
-    shape[dim] = extra
-    return torch.cat([x, x.new_zeros(shape)], dim)
-
-
-def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over dim -2 as a pairwise tree over its length padded to a power of two:
-    the same bits whatever number of all-zero entries trail the live ones."""
-    n = x.shape[-2]
-    width = 1 << max(0, n - 1).bit_length()
-    if width != n:
-        x = torch.cat([x, x.new_zeros(*x.shape[:-2], width - n, x.shape[-1])], -2)
-    while x.shape[-2] > 1:
-        x = x[..., 0::2, :] + x[..., 1::2, :]
-    return x.squeeze(-2)
-
-
-def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, context_lens: torch.Tensor,
-                         cu_q: torch.Tensor, chunk_parents: torch.Tensor,
-                         scale: float, ancestors: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of each chunk query over its sequence's context and chunk ancestors.
-
-    q [total_q, q_heads, D]; caches [num_blocks, block_size, kv_heads, D] with the
-    chunk's own K/V already written; block_tables [B, max_blocks] int32;
-    context_lens [B]; cu_q [B + 1]; chunk_parents [total_q]. GQA: q head h reads
-    kv head h // (q_heads // kv_heads). Returns [total_q, q_heads, D] in q's dtype.
-    ancestors: ``tree_ancestors`` of the chunks, when every chunk has the same length
-    (a speed hint for kernels; the parents alone define the result, so it is unused here).
-    Batch-invariant (KEY_BLOCK): a row's result depends on its query and the keys it sees.
-    """
-    out = torch.empty_like(q)
-    bs = k_cache.shape[1]
-    hq, hkv = q.shape[1], k_cache.shape[2]
-    flat_k = k_cache.view(-1, hkv, k_cache.shape[-1])
-    flat_v = v_cache.view(-1, hkv, v_cache.shape[-1])
-    cu = cu_q.tolist()
-    ctx = context_lens.tolist()
-    for b in range(len(ctx)):
-        lo, hi = cu[b], cu[b + 1]
-        if hi == lo:
-            continue
-        t = hi - lo
-        slots = gather_slots(block_tables[b], 0, ctx[b] + t, bs)
-        own = chunk_mask(chunk_parents[lo:hi])                      # [t, t]
-        pad = chunk_parents[lo:hi] == PAD
-        # a chain (prefill, decode, padded chains): keys in slot order are in position order
-        causal = torch.ones(t, t, dtype=torch.bool, device=own.device).tril()
-        chain = bool((own == causal)[~pad].all())
-        shared = _shared_keys(flat_k, flat_v, slots,
-                              ctx[b] + t if chain else ctx[b] // KEY_BLOCK * KEY_BLOCK)
-        rows = max(1, TILE_SCORES // (hq * (ctx[b] + t)))
-        for r in range(0, t, rows):
-            e = min(t, r + rows)
-            out[lo + r:lo + e] = _attend(q[lo + r:lo + e], flat_k, flat_v, slots, ctx[b],
-                                         own[r:e], pad[r:e], chain, shared, scale)
-    return out
-
-
-def _shared_keys(flat_k: torch.Tensor, flat_v: torch.Tensor, slots: torch.Tensor, n: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first n keys of slots in KEY_BLOCK blocks (the last padded with zeros), fp32:
-    K [kv_heads, D, blocks * KEY_BLOCK], V with a ones column [kv_heads, blocks, KEY_BLOCK,
-    D + 1] (so the product that sums p @ v sums p too)."""
-    kb, hkv, d = KEY_BLOCK, flat_k.shape[1], flat_k.shape[2]
-    nb = -(-n // kb)
-    k = torch.zeros(hkv, d, nb * kb, device=slots.device)
-    k[:, :, :n] = flat_k[slots[:n]].permute(1, 2, 0)
-    v = torch.zeros(nb * kb, hkv, d + 1, device=slots.device)
-    v[:n, :, :d] = flat_v[slots[:n]]
-    v[:, :, d] = 1
-    return k, v.view(nb, kb, hkv, d + 1).permute(2, 0, 1, 3).contiguous()
-
-
-def _attend(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, slots: torch.Tensor,
-            ctx: int, own: torch.Tensor, pad: torch.Tensor, chain: bool,
-            keys: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
-    """Queries q [n, q_heads, D] of one chunk over its keys (flat slots [ctx + t], the
-    first ctx the context, seen by every row but padding rows pad [n]; chunk key j seen
-    by row i where own[i, j]). Keys are laid out by position: the context and, for a
-    chain, the chunk are shared by every row (``keys``: _shared_keys); a tree row's
-    blocks from the context's last whole block on are its own: the context's tail, then
-    its ancestors-or-self in chunk order (= depth order), then masked keys.
-    Returns [n, q_heads, D] in q's dtype."""
-    n, hq, d = q.shape
-    hkv = flat_k.shape[1]
-    g = hq // hkv
-    kb, dev = KEY_BLOCK, q.device
-    t = own.shape[1]
-    k_s, v_s = keys
-    nbs = v_s.shape[1]
-    # shared keys: row (query i, q head of the group; padded to ROW_TILE) sees [lo, hi]
-    if chain:       # causal up to the row itself (its last visible chunk key); padding: itself
-        first = ctx + (own * torch.arange(t, device=dev)).amax(1)
-        lo, hi = torch.where(pad, first, 0), first
-    else:           # the context's whole blocks; a padding row none
-        lo, hi = pad.long(), torch.full((n,), nbs * kb - 1, device=dev)
-    lo, hi = (_pad_rows(x.repeat_interleave(g), 0) for x in (lo, hi))     # [M]
-    qg = q.float().view(n, hkv, g, d)
-    rows = _pad_rows(qg.transpose(0, 1).reshape(hkv, n * g, d), 1)        # [hkv, M, D]
-    m = rows.shape[1]
-    pos = torch.arange(nbs * kb, device=dev)
-    s_s = torch.matmul(rows, k_s).mul_(scale)                             # [hkv, M, S]
-    s_s.masked_fill_((pos < lo[:, None]) | (pos > hi[:, None]), float("-inf"))
-    top = (s_s.amax(-1) if nbs else torch.full((hkv, m), float("-inf"), device=dev))
-    top = top[:, :n * g].reshape(hkv, n, g).transpose(0, 1)               # [n, hkv, g]
-    if not chain:       # the tail: [ctx0, ctx) of the context, then each row's ancestors
-        shared = nbs * kb
-        tail = ctx - shared + t
-        nbt = -(-tail // kb)
-        rank = torch.arange(t, device=dev).expand(n, t)
-        order = torch.where(own, rank, rank + t).sort(1).values % t       # seen first
-        idx = torch.zeros(n, nbt * kb, dtype=torch.long, device=dev)
-        idx[:, :ctx - shared] = slots[shared:ctx]
-        idx[:, ctx - shared:tail] = slots[ctx + order]
-        vis_t = torch.zeros(n, nbt * kb, dtype=torch.bool, device=dev)
-        vis_t[:, :ctx - shared] = ~pad.unsqueeze(1)
-        vis_t[:, ctx - shared:tail] = rank < own.sum(1, keepdim=True)
-        k_t = flat_k[idx].float().view(n, nbt, kb, hkv, d).permute(0, 3, 1, 4, 2)
-        v_t = torch.ones(n, nbt * kb, hkv, d + 1, device=dev)
-        v_t[..., :d] = flat_v[idx].masked_fill(~vis_t.view(n, -1, 1, 1), 0)
-        v_t = v_t.view(n, nbt, kb, hkv, d + 1).permute(0, 3, 1, 2, 4)      # [n, hkv, nbt, kb, D+1]
-        q_t = _pad_rows(qg, 2).unsqueeze(2)                               # [n, hkv, 1, G, D]
-        s_t = torch.matmul(q_t, k_t).mul_(scale)                          # [n, hkv, nbt, G, kb]
-        s_t.masked_fill_(~vis_t.view(n, 1, nbt, 1, kb), float("-inf"))
-        top = torch.maximum(top, s_t.amax((2, 4))[..., :g])
-    top_rows = _pad_rows(top.transpose(0, 1).reshape(hkv, n * g), 1)      # [hkv, M]
-    p_s = s_s.sub_(top_rows.unsqueeze(-1)).exp_().view(hkv, m, nbs, kb).transpose(1, 2)
-    part = torch.matmul(p_s, v_s)[:, :, :n * g]                           # [hkv, nbs, n*g, D+1]
-    part = part.reshape(hkv, nbs, n, g, d + 1).permute(2, 0, 3, 1, 4)     # [n, hkv, g, nbs, D+1]
-    if not chain:
-        p_t = s_t.sub_(_pad_rows(top, 2)[:, :, None, :, None]).exp_()
-        part_t = torch.matmul(p_t, v_t)[:, :, :, :g].transpose(2, 3)      # [n, hkv, g, nbt, D+1]
-        part = torch.cat([part, part_t], 3)
-    acc = _pairwise_sum(part)                                             # [n, hkv, g, D+1]
-    return (acc[..., :d] / acc[..., d:]).reshape(n, hq, d).to(q.dtype)
 
 
 def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor,

@@ -24,7 +24,7 @@ from treespec.draft_service import kv_drafter
 from treespec.draft_service.config import DraftConfig
 from treespec.draft_service.eagle3_proposer import Eagle3Proposer
 from treespec.draft_service.model_proposer import ModelProposer
-from treespec.kernels import reference
+from treespec.kernels import reference, reference_attention
 
 DRAFT = SHIPPED_DIR / "tiny-code-draft"
 HEAD = SHIPPED_DIR / "tiny-code-eagle3"
@@ -101,7 +101,7 @@ def test_chunked_and_tiled_catch_up_drafts_what_one_forward_does(method, monkeyp
                           2: torch.randint(1, 6000, (150,), generator=g).tolist()})
     whole = trees()
     monkeypatch.setattr(kv_drafter, "PREFILL_UNITS", 64)
-    monkeypatch.setattr(reference, "TILE_SCORES", 16 * 4 * 301)
+    monkeypatch.setattr(reference_attention, "TILE_SCORES", 16 * 4 * 301)
     assert trees() == whole
 
 
@@ -131,6 +131,6 @@ def test_reference_attention_in_row_tiles_equals_one_piece(hq, hkv, monkeypatch)
     args = _chunks(torch.Generator().manual_seed(hq), hq, hkv)
     whole = reference.paged_tree_attention(*args)
     for rows in (1, 5, 16):
-        monkeypatch.setattr(reference, "TILE_SCORES", rows * hq * (21 + 37))
+        monkeypatch.setattr(reference_attention, "TILE_SCORES", rows * hq * (21 + 37))
         torch.testing.assert_close(reference.paged_tree_attention(*args), whole,
                                    atol=1e-6, rtol=1e-6)
