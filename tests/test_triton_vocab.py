@@ -18,18 +18,20 @@ def _vocab():
     return load("treespec.kernels.triton_vocab")
 
 
+# several rows in one segment, and one row over two segments (the launcher's merge), each
+# with a partial last chunk; a dtype each (it changes only the load's conversion)
 @needs_triton
-@pytest.mark.parametrize("rows, v", [(3, 4173), (1, 16384 + 300)])
-def test_kernel_gives_the_references_stats(rows, v):
+@pytest.mark.parametrize("rows, v, dtype", [(3, 4173, torch.float32),
+                                            (1, 16384 + 300, torch.bfloat16)])
+def test_kernel_gives_the_references_stats(rows, v, dtype):
     tv = _vocab()
     torch.manual_seed(v)
-    for dtype in (torch.float32, torch.bfloat16):
-        x = (4 * torch.randn(rows, v + 10)).to(dtype)[:, :v]    # rows v + 10 apart
-        x[0, :700] = float("-inf")                              # whole chunks of -inf
-        lse, maxima = tv.vocab_stats(x.to(DEV), 128)
-        want_lse, want_max = reference.vocab_stats(x, 128)
-        assert maxima.shape == (rows, v // 128) and torch.equal(maxima.cpu(), want_max)
-        torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-5, atol=1e-5)
+    x = (4 * torch.randn(rows, v + 10)).to(dtype)[:, :v]    # rows v + 10 apart
+    x[0, :700] = float("-inf")                              # whole chunks of -inf
+    lse, maxima = tv.vocab_stats(x.to(DEV), 128)
+    want_lse, want_max = reference.vocab_stats(x, 128)
+    assert maxima.shape == (rows, v // 128) and torch.equal(maxima.cpu(), want_max)
+    torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-5, atol=1e-5)
 
 
 @needs_triton
