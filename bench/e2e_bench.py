@@ -144,13 +144,16 @@ def replay_phase(target: str, device: str, work: Path, label: str, drafting: tup
                 reference_divergence=vs_ref, carrier=carrier_of(v))
             print(f"{label} b={b}: {r['tok_s']:.1f} tok/s, {r['tokens_per_step']:.2f} tok/step,"
                   f" equal to plain decode: {res[f'{label}_b{b}']['lossless']}, to its "
-                  f"reference: {res[f'{label}_b{b}']['identical_to_reference']}", flush=True)
+                  f"reference: {res[f'{label}_b{b}']['identical_to_reference']}"
+                  + (f", lookahead hits {r.get('lookahead_hits', 0):.0f} misses "
+                     f"{r.get('lookahead_misses', 0):.0f}" if "--lookahead" in drafting else ""),
+                  flush=True)
     return outs
 
 
 def model_phase(target: str, draft: str, device: str, draft_device: str,
                 prompts: list[list[int]], max_tokens: int, max_batch: int,
-                verify_flags: tuple[str, ...] = ()) -> dict:
+                verify_flags: tuple[str, ...] = (), hit_rates: Collection[float] = ()) -> dict:
     with start("model-draft", cli_command("draft", "--method", "model", "--model", draft,
                                           "--envelope", "chain4", "--port", "0",
                                           "--device", draft_device)) as d, \
@@ -178,14 +181,16 @@ AB_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
 def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
             batches: list[int], drafting: tuple[str, ...], work: Path,
             placement: str = "same", ab: Collection[str] = (), first_reps: int = 3,
-            verify_flags: tuple[str, ...] = ()) -> dict:
+            verify_flags: tuple[str, ...] = (), hit_rates: Collection[float] = ()) -> dict:
     """prompts: at least sum(batches); each batch size gets its own prompts, so each
     replay reference is recorded at the batch shape it is replayed at. drafting: the
     replay instrument's --accept / --corrupt flags. ab: AB_VARIANTS keys, each also run
     at the first batch size, its keys suffixed `_<key>`, for side-by-side comparisons.
     first_reps: timed runs at the first batch size (a 0.2-0.7 s run at batch 1 moves
     with one slow prefill: 27-95 ms on the H200), the median's figures kept.
-    verify_flags: every verify service's extra flags (plain and speculative alike)."""
+    verify_flags: every verify service's extra flags (plain and speculative alike).
+    hit_rates: each also a replay at every batch size with lookahead (2 candidates) at
+    that set hit rate (bench/replay.py --hit-rate), keys `replay_la<h>_b<B>`."""
     res: dict = {"placement": placement}
     reps = {batches[0]: first_reps}
     draft_device, device = placement_devices(placement, device)
@@ -215,6 +220,10 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     # 3. replay instrument (chain of 4) at the set tokens per step.
     replay_phase(target, device, work, "replay", drafting, sets, max_tokens, refs, plain, res,
                  verify_extra=verify_flags, reps=reps)
+    for h in hit_rates:
+        replay_phase(target, device, work, f"replay_la{h:g}",
+                     (*drafting, "--lookahead", "2", "--hit-rate", str(h)), sets, max_tokens,
+                     refs, plain, res, verify_extra=verify_flags, reps=reps)
     b = batches[0]
     for suffix, (_, verify_extra) in AB_VARIANTS.items():
         if suffix not in ab:

@@ -61,6 +61,9 @@ def main() -> None:
                          "reduction order for every batch shape (issue 53; verify "
                          "--batch-invariant on)")
     ap.add_argument("--verify-batches", default="1,8", help="the verify section's batches")
+    ap.add_argument("--lookahead-hit-rates", default="",
+                    help="e2e: also the replay with lookahead at these set hit rates "
+                         "(an instrument: bench/replay.py --hit-rate), e.g. 1,0.5")
     ap.add_argument("--work", default="")
     ap.add_argument("--no-plant", action="store_true",
                     help="plain random target weights (near-tied logits: bf16 flips "
@@ -153,7 +156,8 @@ def main() -> None:
         r = run_e2e(str(target_dir), str(draft_dir), a.device, prompts, a.max_tokens,
                     batches, drafting, work, a.placement,
                     [k for k in AB_FLAGS if getattr(a, f"ab_{k}")],
-                    verify_flags=("--batch-invariant", "on") if a.kernels == "invariant" else ())
+                    verify_flags=("--batch-invariant", "on") if a.kernels == "invariant" else (),
+                    hit_rates=[float(h) for h in a.lookahead_hit_rates.split(",") if h])
         out["e2e"] = r
         out["e2e_kernels"] = a.kernels
         out["oracle4_tok_s"] = r["replay_b1"]["tok_s"]
@@ -172,7 +176,10 @@ def main() -> None:
                 out[f"oracle4_tok_s_{key}"] = n["tok_s"]
                 out[f"hop_share_{key}"] = n["hop_ms"] / n["step_ms"] if "hop_ms" in n else None
         out["batch_tok_s"] = {str(b): {"plain": r[f"plain_b{b}"]["tok_s"],
-                                       "spec": r[f"replay_b{b}"]["tok_s"]} for b in batches}
+                                       "spec": r[f"replay_b{b}"]["tok_s"],
+                                       **{k[:-len(f"_b{b}")]: v["tok_s"] for k, v in r.items()
+                                          if k.startswith("replay_la") and k.endswith(f"_b{b}")}}
+                              for b in batches}
 
     section("e2e", e2e)
     print(json.dumps({k: v for k, v in out.items() if k not in ("e2e", "errors")}, indent=1))

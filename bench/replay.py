@@ -16,7 +16,13 @@ at a set tokens per step. Run either as its own draft service:
     python bench/replay.py --continuations FILE (--corrupt 0.15 | --accept 3) --port 0
         [--depth 4 | --shadow model|eagle3 --model DIR [--envelope NAME | --depth D
          --topk K --nodes N]
-         [--target-embeddings DIR] [--device D]]
+         [--target-embeddings DIR] [--device D]] [--lookahead K --hit-rate H]
+
+With --lookahead K --hit-rate H it pre-drafts as `treespec draft --lookahead K` does,
+but at a set hit rate: the step's true outcome is among a sequence's candidates with
+probability H (an instrument's setting; real drafters' hit rates come from
+bench/lookahead_cpu.py). With --shadow, the real drafter's own lookahead runs first, for
+its cost, where it has one.
 
 FILE is JSON: a list of {"prompt": [ids], "continuation": [ids]}.
 """
@@ -32,6 +38,7 @@ import torch
 
 
 from treespec.common.spec.tree import PAD, TreeBatch, TreeEnvelope
+from treespec.draft_service.lookahead import draft_candidates
 
 
 class ReplayProposer:
@@ -41,13 +48,16 @@ class ReplayProposer:
     light = True
 
     def __init__(self, records: list[dict], depth: int, corrupt: float, vocab: int,
-                 accept: int | None = None) -> None:
+                 accept: int | None = None, hit_rate: float | None = None) -> None:
         self.refs = {tuple(r["prompt"]): r["continuation"] for r in records}
         self.plen = sorted({len(r["prompt"]) for r in records})
         self.depth, self.corrupt, self.vocab_size = depth, corrupt, vocab
         self.accept = accept
         self.seqs: dict[int, tuple[list[int], tuple[list[int], int] | None]] = {}
         self.rng = random.Random(0)
+        # lookahead at a set hit rate (the instrument's, not a drafter's)
+        self.hit_rate, self.hit_rng = hit_rate, random.Random(1)
+        self.lookahead = hit_rate is not None
 
     def update(self, seq_id, tokens, new_count, accepted_nodes, hidden) -> None:
         # the reference is looked up once per sequence (hashing a 1024-token prompt
@@ -74,23 +84,60 @@ class ReplayProposer:
             return i >= self.accept
         return self.rng.random() < self.corrupt
 
-    def propose(self, seq_ids: list[int], sampling=None) -> TreeBatch:
+    def _chain(self, found: tuple[list[int], int] | None, committed: int) -> list[int]:
+        """The drafted chain after `committed` tokens: the reference, corrupted."""
+        if found is None:
+            return []
+        ref, plen = found
+        done = committed - plen
+        return [(t + 1) % self.vocab_size if self._corrupt(i) else t
+                for i, t in enumerate(ref[done:done + self.depth])]
+
+    def _batch(self, chains: list[list[int]]) -> TreeBatch:
         n = self.depth
-        tokens, parents = [], []
-        for s in seq_ids:
-            committed, found = self.seqs.get(s, ((), None))
-            draft: list[int] = []
-            if found is not None:
-                ref, plen = found
-                done = len(committed) - plen
-                draft = [(t + 1) % self.vocab_size if self._corrupt(i) else t
-                         for i, t in enumerate(ref[done:done + n])]
-            k = len(draft)
-            tokens.append(draft + [0] * (n - k))
-            parents.append(list(range(-1, k - 1)) + [PAD] * (n - k))
-        shape = (len(seq_ids), n)
+        tokens = [c + [0] * (n - len(c)) for c in chains]
+        parents = [list(range(-1, len(c) - 1)) + [PAD] * (n - len(c)) for c in chains]
+        shape = (len(chains), n)
         return TreeBatch(torch.tensor(tokens, dtype=torch.int32).view(shape),
                          torch.tensor(parents, dtype=torch.int32).view(shape))
+
+    def propose(self, seq_ids: list[int], sampling=None) -> TreeBatch:
+        chains = []
+        for s in seq_ids:
+            committed, found = self.seqs.get(s, ((), None))
+            chains.append(self._chain(found, len(committed)))
+        return self._batch(chains)
+
+    def draft_candidates(self, rows, per_seq: int) -> tuple[torch.Tensor, TreeBatch]:
+        """Lookahead at the set hit rate: the step's outcome is known (the tree's
+        leading tokens that match the reference, then the reference's next: the
+        target's own continuation), so with probability hit_rate candidate 0 is keyed
+        by it; every other key is that outcome with a wrong last token (a miss). Each
+        candidate's tree is the chain after its key."""
+        keys = torch.full((len(rows) * per_seq, self.depth + 1), -1, dtype=torch.int32)
+        chains = []
+        for b, r in enumerate(rows):
+            found = self.seqs.get(r.seq_id, ((), None))[1]
+            if found is None:
+                chains += [[]] * per_seq
+                continue
+            ref, plen = found
+            done = len(r.tokens) - plen
+            ahead = ref[done:done + self.depth + 1]
+            drafted = [t for t, p in zip(r.tree_tokens, r.tree_parents) if p != PAD]
+            took = next((i for i, (t, w) in enumerate(zip(drafted, ahead)) if t != w),
+                        min(len(drafted), len(ahead)))
+            outcome = ahead[:took + 1]
+            if not outcome:
+                chains += [[]] * per_seq
+                continue
+            hit = self.hit_rng.random() < self.hit_rate
+            for k in range(per_seq):
+                key = outcome if hit and k == 0 else \
+                    outcome[:-1] + [(outcome[-1] + 1 + k) % self.vocab_size]
+                keys[b * per_seq + k, :len(key)] = torch.tensor(key, dtype=torch.int32)
+                chains.append(self._chain(found, len(r.tokens) + len(key)))
+        return keys, self._batch(chains)
 
 
 class ShadowReplay:
@@ -99,6 +146,7 @@ class ShadowReplay:
     def __init__(self, inner, replay: ReplayProposer, num_nodes: int,
                  raw_hidden: bool = False) -> None:
         self.inner, self.replay, self.num_nodes = inner, replay, num_nodes
+        self.lookahead = replay.lookahead
         self.name = f"shadow-replay-instrument:{inner.name}"
         self.model, self.light = inner.model, inner.light
         self.levels = getattr(inner, "levels", False)
@@ -125,6 +173,17 @@ class ShadowReplay:
             out.q_ids, out.q_probs = qi, qp
         return out
 
+    def draft_candidates(self, rows, per_seq: int) -> tuple[torch.Tensor, TreeBatch]:
+        """The inner drafter's lookahead, for its cost where it has one; then the
+        replay's candidates at its set hit rate, padded to the envelope."""
+        if getattr(self.inner, "lookahead", False):
+            draft_candidates(self.inner, rows, per_seq, None)
+        keys, chains = self.replay.draft_candidates(rows, per_seq)
+        out = TreeBatch.padding(chains.tokens.shape[0], self.num_nodes)
+        d = chains.tokens.shape[1]
+        out.tokens[:, :d], out.parents[:, :d] = chains.tokens, chains.parents
+        return keys, out
+
     def release(self, seq_id) -> None:
         self.inner.release(seq_id)
         self.replay.release(seq_id)
@@ -137,6 +196,12 @@ def main() -> None:
     ap.add_argument("--accept", type=int, help="draft exactly this many correct tokens per "
                     "chain, then corrupt the rest (overrides --corrupt)")
     ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--lookahead", type=int, default=0,
+                    help="candidates per sequence, as `treespec draft --lookahead`; with "
+                         "--hit-rate, the instrument's own (see ReplayProposer.draft_candidates)")
+    ap.add_argument("--hit-rate", type=float, default=1.0,
+                    help="with --lookahead: the probability that the step's true outcome "
+                         "is among a sequence's candidates (an instrument's setting)")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
@@ -168,16 +233,19 @@ def main() -> None:
         cfg = DraftConfig(method=a.shadow, envelope=env, model=a.model,
                           target_embeddings=a.target_embeddings, host=a.host, port=a.port,
                           device=a.device, local_socket=a.local_socket,
-                          num_blocks=a.num_blocks, metrics_port=a.metrics_port)
-        replay = ReplayProposer(records, cfg.envelope.depth, a.corrupt, a.vocab, a.accept)
+                          num_blocks=a.num_blocks, metrics_port=a.metrics_port,
+                          lookahead=a.lookahead)
+        replay = ReplayProposer(records, cfg.envelope.depth, a.corrupt, a.vocab, a.accept,
+                                a.hit_rate if a.lookahead else None)
         proposer = ShadowReplay(build_proposer(cfg), replay, cfg.envelope.num_nodes,
                                 a.raw_hidden)
     else:
         env = TreeEnvelope(depth=a.depth, topk=1, num_nodes=a.depth, name=f"chain{a.depth}")
         cfg = DraftConfig(method="ngram", envelope=env, host=a.host, port=a.port,
                           device="cpu", local_socket=a.local_socket,
-                          metrics_port=a.metrics_port)
-        proposer = ReplayProposer(records, a.depth, a.corrupt, a.vocab, a.accept)
+                          metrics_port=a.metrics_port, lookahead=a.lookahead)
+        proposer = ReplayProposer(records, a.depth, a.corrupt, a.vocab, a.accept,
+                                  a.hit_rate if a.lookahead else None)
     server.run(cfg, proposer=proposer)
 
 

@@ -22,6 +22,7 @@ BUCKETED = {"step_le": STEP_PARTS["step"], "hop_le": STEP_PARTS["hop"],
             "verify_le": STEP_PARTS["verify"],
             "budget_le": "treespec:spec_budget_depth"}
 BUDGET_S = "treespec:spec_budget_seconds_total"          # labelled {budget}: whole steps' time
+LOOKAHEAD = ("lookahead_hits", "lookahead_misses")       # counters: sequence-steps
 
 
 def metrics_url(svc: ServiceProcess) -> str | None:
@@ -58,7 +59,8 @@ def step_sums(url: str | None) -> dict:
         return got.get(base + suffix + (f"|{part}" if part else ""), 0.0)
 
     return {**{k: (series(n, "_sum"), series(n, "_count")) for k, n in STEP_PARTS.items()},
-            **les, "budget_s": budget_s}
+            **les, "budget_s": budget_s,
+            **{k: got.get(f"treespec:{k}_total", 0.0) for k in LOOKAHEAD}}
 
 
 def step_breakdown(before: dict, after: dict) -> dict[str, float]:
@@ -70,6 +72,9 @@ def step_breakdown(before: dict, after: dict) -> dict[str, float]:
             out[k + "_ms"] = 1000 * (after[k][0] - before[k][0]) / (after[k][1] - before[k][1])
     if "step_ms" in out:
         out["rest_ms"] = out["step_ms"] - out.get("hop_ms", 0.0) - out.get("verify_ms", 0.0)
+    for k in LOOKAHEAD:
+        if after.get(k, 0.0) > before.get(k, 0.0):
+            out[k] = after[k] - before.get(k, 0.0)
     # the tails: the share of whole steps longer than 16 .. 128 ms (a row's plain steps
     # dearer than plain decode's on every step, or a few stalls), of hops longer than
     # 1 .. 32 ms (a mean of 0.8 ms can be every hop near it, or a few stalls over a fast

@@ -232,8 +232,10 @@ class DraftEngine:
         probe = None
         if getattr(self.proposer, "levels", False) and 0 < req.max_depth < self.env.depth:
             probe = {"depth": req.max_depth + 1} if req.max_depth + 1 < self.env.depth else {}
+        own = getattr(self.proposer, "draft_candidates", None)   # an instrument's own
         try:
-            keys, trees = draft_candidates(self.proposer, rows, k, probe)
+            keys, trees = own(rows, k) if own else draft_candidates(self.proposer, rows, k,
+                                                                    probe)
         except Exception:       # costs the lookahead only: these sequences resync
             log.exception("lookahead after step %d failed", req.step_id)
             self.release([r.seq_id for r in rows])

@@ -64,7 +64,9 @@ class Proposer(Protocol):
     # such a drafter expands fewer levels, at fewer forwards); the others are pruned.
     # optional: lookahead = True when update() may be handed tokens that a later update
     # takes back (fewer committed tokens than it last saw: drop what came after them);
-    # only such a drafter pre-drafts candidates (draft_service/lookahead.py)
+    # only such a drafter pre-drafts candidates (draft_service/lookahead.py); one that
+    # also has draft_candidates(rows, k) -> (keys, trees) drafts them itself (the replay
+    # instrument, whose outcomes are known)
     # optional: projection, a [width, layers * hidden] tensor: the proposer's first use
     # of hidden states is x @ projection.T, and it takes them either way
 

@@ -33,7 +33,8 @@ def bench_argv(name: str, d: Path) -> tuple[list[str], dict[str, str] | None]:
         # 3 timed steps at each verify shape, not the GPU run's 30 (the section's path,
         # not its figures: a CPU step at this shape's 152k vocabulary is ~0.15 s)
         return script + ["--ctx", "32", "--max-tokens", "16", "--batches", "1",
-                         "--nodes", "0,4", "--verify-iters", "3", "--ab-grpc"], None
+                         "--nodes", "0,4", "--verify-iters", "3", "--ab-grpc",
+                         "--lookahead-hit-rates", "1"], None
     if name == "drafters":
         # the verify's deadline as the in-process tests have it (tests/inproc.py): with
         # the other runs beside it, a CPU step can pass the served 100 ms default
@@ -113,6 +114,9 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(benches):
     assert abs(hop["hop_to_draft_ms"] + hop["hop_draft_ms"] + hop["hop_to_verify_ms"]
                - hop["hop_wait_ms"]) < 1e-6 and hop["hop_draft_ms"] > 0
     assert e2e["replay_b1_grpc"]["lossless"] and r["hop_share_grpc"] > 0
+    # the replay's lookahead at a set hit rate of 1: every candidate tried is the outcome
+    la = e2e["replay_la1_b1"]
+    assert la["lossless"] and la["lookahead_hits"] > 0 and "lookahead_misses" not in la
     # batch 1's figures are the median of three timed runs, all with the same output
     for key in ("plain_b1", "replay_b1", "replay_b1_grpc"):
         runs = e2e[key]["tok_s_runs"]
