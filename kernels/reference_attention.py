@@ -119,10 +119,13 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
         chain = ([True] * len(seqs) if t == 1 else
                  ((own == causal) | pad.unsqueeze(2)).flatten(1).all(1).tolist())
-        per_key = t * hq + 2 * k_cache.shape[2] * k_cache.shape[3]     # scores, K and V
-        for kind in (True, False):
+        kv = 2 * k_cache.shape[2] * k_cache.shape[3]
+        for kind in (True, False):      # elements laid out: scores, K and V, a tree's tails
             mine = [i for i, k in enumerate(chain) if k == kind]
-            for pick in _batches(mine, [per_key * (ctx[seqs[i]] + t) for i in mine]):
+            cost = [(t * hq + kv) * (ctx[seqs[i]] + t)
+                    + (0 if kind else t * (hq + kv) * (ctx[seqs[i]] % KEY_BLOCK + t))
+                    for i in mine]
+            for pick in _batches(mine, cost):
                 if pick == list(range(len(seqs))) and seqs == list(range(len(ctx))):
                     return _attend_chunks(q.view(len(seqs), t, *q.shape[1:]), k_cache, v_cache,
                                           block_tables, context_lens.long(), own, pad, kind,
