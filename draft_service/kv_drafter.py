@@ -59,7 +59,7 @@ WARM_BATCH = 64
 # units one eager catch-up forward takes at most: a new or resynced sequence goes
 # through the network this many units at a time, so a forward's activations stay
 # [chunk, ...] and its attention [chunk, context] (the CPU reference also takes those
-# queries in tiles: kernels/reference.py TILE_SCORES)
+# queries in tiles: kernels/reference_attention.py TILE_SCORES)
 PREFILL_UNITS = 4096
 
 
