@@ -7,7 +7,7 @@
 #                                          #   GPU tests, the benchmark, the step profile -> $OUT
 #   STEPS="gemv profile" BENCH_ARGS="--batches 1" bash bench/device_session.sh run   # a subset
 #   (each step takes its own *_ARGS: DRAFTERS_ARGS, DSTEP_ARGS, GEMV_ARGS, PROFILE_ARGS,
-#   ATTN_ARGS, TRAIN_ARGS, ...)
+#   ATTN_ARGS, TRAIN_ARGS, PREFIX_ARGS, ...)
 #
 # The image has torch, transformers, triton, grpcio, protobuf and uvloop; it lacks
 # grpcio's health/reflection packages, OpenTelemetry and prometheus-client, all pure
@@ -78,6 +78,10 @@ run)
         dstep) timeout "${DSTEP_S:-240}" python3 bench/drafter_step.py \
                    --out "$OUT/drafter_step.json" --work /tmp/bw-drafters ${DSTEP_ARGS:-} \
                    >>"$log" 2>&1 ;;
+        prefix)   # prefix caching at the 8B shape: 16 five-turn chats, cache on and off
+            timeout "${PREFIX_S:-240}" python3 bench/prefix_cache.py --out "$OUT/prefix_cache.json" \
+                --target-shape qwen3-8b --draft-shape qwen3-0.6b --device cuda \
+                --work /tmp/bw-prefix ${PREFIX_ARGS:-} >>"$log" 2>&1 ;;
         long) timeout "${LONG_S:-480}" python3 bench/long_prompt.py --out "$OUT/long_prompt.json" \
                   --work /tmp/bw-long ${LONG_ARGS:-} >>"$log" 2>&1 ;;
         sampled) timeout "${SAMPLED_S:-90}" python3 bench/sampled_step.py \

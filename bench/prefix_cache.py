@@ -1,27 +1,37 @@
-"""Prefix caching on the CPU: a multi-turn chat with a long shared system prompt, with the
-cache and without it (--no-prefix-caching), in one run.
+"""Prefix caching: a multi-turn chat with a long shared system prompt, with the cache and
+without it (--no-prefix-caching), in one run, on the CPU or on a GPU.
 
     python bench/prefix_cache.py --out bench/results/prefix_cache_cpu.json
         [--conversations 16] [--turns 5] [--system-tokens 1000] [--user-tokens 48]
         [--max-tokens 32] [--method model]
+    python bench/prefix_cache.py --out prefix_cache.json --target-shape qwen3-8b
+        --draft-shape qwen3-0.6b --device cuda [--work DIR] [--no-plant] [as above]
 
-Per setting, one service pair on the shipped tiny pair (the verify pinned to core 0, the
-draft to core 1, one torch thread each, the verify with --speculation always so that
-tokens per step measure the drafter, not the controller; both services get the setting's
-flag). All conversations run at once, each its turns in order: turn t's prompt is the
-system prompt (the first --system-tokens tokens of the target's first held-out file),
-then for each turn so far a user message (--user-tokens tokens of the conversation's own
-held-out file) and the answer (--max-tokens greedy tokens, EOS ignored). Reported per
-setting: time to first token (median, p90) of turn 1 and of turns 2..T, prompt tokens
-cached, total completion tok/s (all conversations, wall clock), tokens per step; and
-whether every answer is the same with and without the cache.
+Per setting, one service pair, the verify with --speculation always so that tokens per
+step measure the drafter, not the controller; both services get the setting's flag. By
+default the shipped tiny pair on the CPU (the verify pinned to core 0, the draft to core
+1, one torch thread each), and prompts of held-out text: the system prompt is the first
+--system-tokens tokens of the target's first held-out file, a user message --user-tokens
+tokens of the conversation's own file. With --target-shape: random-weight HF checkpoints
+of those shapes (bench/shapes.py, written under --work once), the target with a planted
+successor map unless --no-plant (its greedy answers survive bf16 reduction orders, so
+"identical" means something; the random draft model is then almost never accepted, so
+tokens per step stay near 1), the services on --device unpinned with bench/e2e_bench.py's
+verify flags, and prompts of random token ids.
+
+All conversations run at once, each its turns in order: turn t's prompt is the system
+prompt, then for each turn so far a user message and the answer (--max-tokens greedy
+tokens, EOS ignored). Reported per setting: time to first token (median, p90) of turn 1
+and of turns 2..T, prompt tokens cached, total completion tok/s (all conversations, wall
+clock), tokens per step, the draft's acceptance; whether every answer is the same with
+and without the cache; the device.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import random
 import re
 import statistics
 import time
@@ -29,12 +39,18 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
+import shapes
 from bench_accept import held_out_prompts
+from e2e_bench import start, verify_argv
+from step_metrics import metrics_url
 from treespec.common.client import TreespecClient
 from treespec.common.model.paths import SHIPPED_DRAFTS, resolve_model
-from treespec.common.serving.launch import cli_command, start_process
+from treespec.common.serving.launch import cli_command
 
 COUNTER = re.compile(r'^vllm:prefix_cache_(queries|hits)_total\{[^}]*\} ([0-9.e+]+)', re.M)
+Chat = tuple[list[int], list[list[list[int]]]]    # system prompt, [conversation][turn] user ids
 
 
 def pinned(core: int, *args: str) -> list[str]:
@@ -44,6 +60,55 @@ def pinned(core: int, *args: str) -> list[str]:
 def counters(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=10) as r:
         return {k: float(v) for k, v in COUNTER.findall(r.read().decode())}
+
+
+def held_out_chat(a: argparse.Namespace) -> Chat:
+    files = held_out_prompts(resolve_model(a.model), a.conversations + 1,
+                             max(a.system_tokens, a.turns * a.user_tokens))
+    return files[0][:a.system_tokens], [
+        [f[t * a.user_tokens:(t + 1) * a.user_tokens] for t in range(a.turns)]
+        for f in files[1:]]
+
+
+def random_ids(g: random.Random, n: int) -> list[int]:
+    return [g.randrange(3, 150000) for _ in range(n)]
+
+
+def random_chat(a: argparse.Namespace) -> Chat:
+    g = random.Random(0)
+    return random_ids(g, a.system_tokens), [
+        [random_ids(g, a.user_tokens) for _ in range(a.turns)] for _ in range(a.conversations)]
+
+
+def checkpoints(a: argparse.Namespace) -> tuple[str, str]:
+    """(target dir, draft dir): random-weight checkpoints under --work, built once."""
+    work, plant = Path(a.work), not a.no_plant
+    target = work / f"target-{a.target_shape}{'-planted' if plant else ''}"
+    draft = work / f"draft-{a.draft_shape}"
+    for path, shape, seed, planted in ((target, a.target_shape, 0, plant),
+                                       (draft, a.draft_shape, 2, False)):
+        if not (path / "config.json").exists():
+            model = shapes.random_hf_model(shape, a.device, seed=seed, plant=planted)
+            print(f"{path.name}: saved in {shapes.save_checkpoint(model, path):.1f} s",
+                  flush=True)
+            del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return str(target), str(draft)
+
+
+def draft_command(a: argparse.Namespace, model: str | None, flag: list[str]) -> list[str]:
+    args = ["draft", "--method", a.method, "--port", "0", "--device", a.device,
+            "--max-sequences", "256", *flag, *(["--model", model] if model else [])]
+    return pinned(1, *args) if a.device == "cpu" else cli_command(*args)
+
+
+def verify_command(a: argparse.Namespace, model: str, draft: str, flag: list[str]) -> list[str]:
+    if a.device != "cpu":
+        return verify_argv(model, a.device, draft, a.conversations, tuple(flag))
+    return pinned(0, "verify", "--model", model, "--draft", draft, "--port", "0", "--device",
+                  "cpu", "--speculation", "always", "--metrics-port", "0",
+                  "--step-deadline-ms", "10000", "--max-batch", str(a.conversations), *flag)
 
 
 def turn(c: TreespecClient, prompt: list[int], max_tokens: int) -> dict:
@@ -68,25 +133,30 @@ def conversation(c: TreespecClient, system: list[int], user: list[list[int]],
     return out
 
 
-def one_setting(a: argparse.Namespace, cache: bool, system: list[int],
-                users: list[list[list[int]]]) -> tuple[dict, list]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+def warm_up(c: TreespecClient, a: argparse.Namespace) -> None:
+    """Both services once; on a GPU also the run's prefill lengths, full and after a hit
+    (kernels compile at first use), with tokens of their own."""
+    conversation(c, [7] * 40, [[8] * 8], 8)
+    if a.device != "cpu":
+        g = random.Random(1)
+        conversation(c, random_ids(g, a.system_tokens), [random_ids(g, a.user_tokens)] * 2, 8)
+
+
+def one_setting(a: argparse.Namespace, cache: bool, target: str, draft_model: str | None,
+                chat: Chat) -> tuple[dict, list]:
+    system, users = chat
     flag = [] if cache else ["--no-prefix-caching"]
-    dargs = ["draft", "--method", a.method, "--port", "0", "--device", "cpu",
-             "--max-sequences", "256", *flag]
-    if SHIPPED_DRAFTS.get(a.method):
-        dargs += ["--model", SHIPPED_DRAFTS[a.method]]
-    with start_process("draft", pinned(1, *dargs), 180, env) as draft, start_process(
-            "verify", pinned(0, "verify", "--model", str(resolve_model(a.model)), "--draft",
-                             draft.addr, "--port", "0", "--device", "cpu", "--speculation",
-                             "always", "--metrics-port", "0", "--step-deadline-ms", "10000",
-                             "--max-batch", str(a.conversations), *flag), 180, env) as verify:
-        url = re.search(r"metrics on (http://\S+/metrics)", verify.output()).group(1)
+    cpu = a.device == "cpu"
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"} if cpu else None
+    up = 180 if cpu else 600
+    with start("draft", draft_command(a, draft_model, flag), up, env) as draft, start(
+            "verify", verify_command(a, target, draft.addr, flag), up, env) as verify:
+        url = metrics_url(verify)
         with TreespecClient(verify.addr, timeout=1200) as c:
-            c.wait_ready(180)
+            c.wait_ready(up)
             while not c.info().draft_connected:
                 time.sleep(0.1)
-            conversation(c, [7] * 40, [[8] * 8], 8)            # warm both services
+            warm_up(c, a)
             before = counters(url) if cache else {}
             t0 = time.perf_counter()
             with ThreadPoolExecutor(a.conversations) as pool:
@@ -113,6 +183,8 @@ def one_setting(a: argparse.Namespace, cache: bool, system: list[int],
         "tokens_per_step_later": sum(r["stats"]["completion_tokens"] - 1 for conv in convs
                                      for r in conv[1:])
         / max(1, sum(r["stats"]["steps"] for conv in convs for r in conv[1:])),
+        "acceptance": sum(r["stats"]["accepted_tokens"] for r in turns)
+        / max(1, sum(r["stats"]["draft_tokens"] for r in turns)),
         "prefix_cache_queries": after.get("queries", 0) - before.get("queries", 0),
         "prefix_cache_hits": after.get("hits", 0) - before.get("hits", 0),
     }
@@ -124,22 +196,37 @@ def one_setting(a: argparse.Namespace, cache: bool, system: list[int],
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--model", default="tiny-code")
+    ap.add_argument("--model", default="tiny-code", help="without --target-shape")
     ap.add_argument("--method", default="model")
+    ap.add_argument("--device", default="cpu", help="cpu (services pinned) or cuda, cuda:1, ...")
+    ap.add_argument("--target-shape", choices=list(shapes.SHAPES),
+                    help="random checkpoints of this target shape instead of --model")
+    ap.add_argument("--draft-shape", choices=list(shapes.SHAPES), default="qwen3-0.6b")
+    ap.add_argument("--work", default="/tmp/treespec-prefix-cache",
+                    help="where --target-shape's checkpoints are written (kept: reused)")
+    ap.add_argument("--no-plant", action="store_true",
+                    help="--target-shape: plain random target weights (no successor map)")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--user-tokens", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=32)
     a = ap.parse_args()
-    files = held_out_prompts(resolve_model(a.model), a.conversations + 1,
-                             max(a.system_tokens, a.turns * a.user_tokens))
-    system = files[0][:a.system_tokens]
-    users = [[f[t * a.user_tokens:(t + 1) * a.user_tokens] for t in range(a.turns)]
-             for f in files[1:]]
+    if a.target_shape and a.method != "model":
+        ap.error("--target-shape builds a draft model: --method model")
+    if a.target_shape:
+        target, draft = checkpoints(a)
+        chat, models = random_chat(a), {
+            "target": f"random {a.target_shape}", "draft": f"random {a.draft_shape}",
+            "planted_successor_map": not a.no_plant, "prompts": "random token ids"}
+    else:
+        target, draft = str(resolve_model(a.model)), SHIPPED_DRAFTS.get(a.method)
+        chat, models = held_out_chat(a), {"target": a.model, "draft": draft,
+                                          "prompts": "held-out text"}
+    device = "cpu" if a.device == "cpu" else torch.cuda.get_device_name(torch.device(a.device))
     rows, outputs = [], []
     for cache in (True, False):
-        row, out = one_setting(a, cache, system, users)
+        row, out = one_setting(a, cache, target, draft, chat)
         rows.append(row)
         outputs.append(out)
     on, off = rows
@@ -147,8 +234,8 @@ def main() -> None:
                "ttft_later_median_x": off["ttft_later_median_s"] / on["ttft_later_median_s"],
                "tok_s_x": on["tok_s"] / off["tok_s"]}
     print(json.dumps(summary), flush=True)
-    Path(a.out).write_text(json.dumps({"args": vars(a), "rows": rows, "summary": summary},
-                                      indent=1))
+    Path(a.out).write_text(json.dumps({"args": vars(a), "device": device, **models,
+                                       "rows": rows, "summary": summary}, indent=1))
 
 
 if __name__ == "__main__":
