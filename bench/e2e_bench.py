@@ -181,7 +181,8 @@ AB_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
 def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_tokens: int,
             batches: list[int], drafting: tuple[str, ...], work: Path,
             placement: str = "same", ab: Collection[str] = (), first_reps: int = 3,
-            verify_flags: tuple[str, ...] = (), hit_rates: Collection[float] = ()) -> dict:
+            verify_flags: tuple[str, ...] = (), hit_rates: Collection[float] = (),
+            emulated_draft_ms: str = "") -> dict:
     """prompts: at least sum(batches); each batch size gets its own prompts, so each
     replay reference is recorded at the batch shape it is replayed at. drafting: the
     replay instrument's --accept / --corrupt flags. ab: AB_VARIANTS keys, each also run
@@ -190,7 +191,9 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     with one slow prefill: 27-95 ms on the H200), the median's figures kept.
     verify_flags: every verify service's extra flags (plain and speculative alike).
     hit_rates: each also a replay at every batch size with lookahead (2 candidates) at
-    that set hit rate (bench/replay.py --hit-rate), keys `replay_la<h>_b<B>`."""
+    that set hit rate (bench/replay.py --hit-rate), keys `replay_la<h>_b<B>`.
+    emulated_draft_ms: "A[,B]": those replays again with the emulated remote draft
+    (bench/replay.py --emulated-draft-ms), keys `replay_em_b<B>`, `replay_em_la<h>_b<B>`."""
     res: dict = {"placement": placement}
     reps = {batches[0]: first_reps}
     draft_device, device = placement_devices(placement, device)
@@ -220,10 +223,15 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     # 3. replay instrument (chain of 4) at the set tokens per step.
     replay_phase(target, device, work, "replay", drafting, sets, max_tokens, refs, plain, res,
                  verify_extra=verify_flags, reps=reps)
-    for h in hit_rates:
-        replay_phase(target, device, work, f"replay_la{h:g}",
-                     (*drafting, "--lookahead", "2", "--hit-rate", str(h)), sets, max_tokens,
-                     refs, plain, res, verify_extra=verify_flags, reps=reps)
+    em = ("--emulated-draft-ms", emulated_draft_ms) if emulated_draft_ms else None
+    for label, extra in [("replay_la{h:g}", ()), ("replay_em", em), ("replay_em_la{h:g}", em)]:
+        if extra is None:
+            continue
+        for h in hit_rates if "{h" in label else [None]:
+            la = ("--lookahead", "2", "--hit-rate", str(h)) if h is not None else ()
+            replay_phase(target, device, work, label.format(h=h), (*drafting, *extra, *la),
+                         sets, max_tokens, refs, plain, res, verify_extra=verify_flags,
+                         reps=reps)
     b = batches[0]
     for suffix, (_, verify_extra) in AB_VARIANTS.items():
         if suffix not in ab:

@@ -64,6 +64,9 @@ def main() -> None:
     ap.add_argument("--lookahead-hit-rates", default="",
                     help="e2e: also the replay with lookahead at these set hit rates "
                          "(an instrument: bench/replay.py --hit-rate), e.g. 1,0.5")
+    ap.add_argument("--emulated-draft-ms", default="",
+                    help="e2e: also the replays with the EMULATED REMOTE DRAFT (A[,B]: each "
+                         "draft answer and lookahead takes A + B x rows ms, no compute)")
     ap.add_argument("--work", default="")
     ap.add_argument("--no-plant", action="store_true",
                     help="plain random target weights (near-tied logits: bf16 flips "
@@ -157,7 +160,9 @@ def main() -> None:
                     batches, drafting, work, a.placement,
                     [k for k in AB_FLAGS if getattr(a, f"ab_{k}")],
                     verify_flags=("--batch-invariant", "on") if a.kernels == "invariant" else (),
-                    hit_rates=[float(h) for h in a.lookahead_hit_rates.split(",") if h])
+                    hit_rates=[float(h) for h in a.lookahead_hit_rates.split(",") if h],
+                    emulated_draft_ms=a.emulated_draft_ms)
+        out["emulated_draft_ms"] = a.emulated_draft_ms or None
         out["e2e"] = r
         out["e2e_kernels"] = a.kernels
         out["oracle4_tok_s"] = r["replay_b1"]["tok_s"]
@@ -178,7 +183,8 @@ def main() -> None:
         out["batch_tok_s"] = {str(b): {"plain": r[f"plain_b{b}"]["tok_s"],
                                        "spec": r[f"replay_b{b}"]["tok_s"],
                                        **{k[:-len(f"_b{b}")]: v["tok_s"] for k, v in r.items()
-                                          if k.startswith("replay_la") and k.endswith(f"_b{b}")}}
+                                          if k.startswith(("replay_la", "replay_em"))
+                                          and k.endswith(f"_b{b}")}}
                               for b in batches}
 
     section("e2e", e2e)

@@ -24,6 +24,10 @@ probability H (an instrument's setting; real drafters' hit rates come from
 bench/lookahead_cpu.py). With --shadow, the real drafter's own lookahead runs first, for
 its cost, where it has one.
 
+With --emulated-draft-ms A[,B] (the EMULATED REMOTE DRAFT, an instrument) each draft
+answer and each lookahead takes A + B x rows ms of wall time (a sleep, no compute: a
+drafter's measured step on a GPU of its own, which then never time-slices the target's).
+
 FILE is JSON: a list of {"prompt": [ids], "continuation": [ids]}.
 """
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -48,7 +53,8 @@ class ReplayProposer:
     light = True
 
     def __init__(self, records: list[dict], depth: int, corrupt: float, vocab: int,
-                 accept: int | None = None, hit_rate: float | None = None) -> None:
+                 accept: int | None = None, hit_rate: float | None = None,
+                 draft_ms: tuple[float, float] = (0.0, 0.0)) -> None:
         self.refs = {tuple(r["prompt"]): r["continuation"] for r in records}
         self.plen = sorted({len(r["prompt"]) for r in records})
         self.depth, self.corrupt, self.vocab_size = depth, corrupt, vocab
@@ -58,6 +64,12 @@ class ReplayProposer:
         # lookahead at a set hit rate (the instrument's, not a drafter's)
         self.hit_rate, self.hit_rng = hit_rate, random.Random(1)
         self.lookahead = hit_rate is not None
+        self.draft_ms = draft_ms        # the emulated remote draft's A + B x rows ms
+
+    def _emulate(self, rows: int) -> None:
+        ms = self.draft_ms[0] + self.draft_ms[1] * rows
+        if ms > 0:
+            time.sleep(ms / 1000)
 
     def update(self, seq_id, tokens, new_count, accepted_nodes, hidden) -> None:
         # the reference is looked up once per sequence (hashing a 1024-token prompt
@@ -102,6 +114,7 @@ class ReplayProposer:
                          torch.tensor(parents, dtype=torch.int32).view(shape))
 
     def propose(self, seq_ids: list[int], sampling=None) -> TreeBatch:
+        self._emulate(len(seq_ids))
         chains = []
         for s in seq_ids:
             committed, found = self.seqs.get(s, ((), None))
@@ -114,6 +127,7 @@ class ReplayProposer:
         target's own continuation), so with probability hit_rate candidate 0 is keyed
         by it; every other key is that outcome with a wrong last token (a miss). Each
         candidate's tree is the chain after its key."""
+        self._emulate(len(rows))
         keys = torch.full((len(rows) * per_seq, self.depth + 1), -1, dtype=torch.int32)
         chains = []
         for b, r in enumerate(rows):
@@ -202,6 +216,9 @@ def main() -> None:
     ap.add_argument("--hit-rate", type=float, default=1.0,
                     help="with --lookahead: the probability that the step's true outcome "
                          "is among a sequence's candidates (an instrument's setting)")
+    ap.add_argument("--emulated-draft-ms", default="0",
+                    help="A[,B]: each draft answer and lookahead takes A + B x rows ms, "
+                         "a sleep (the emulated remote draft; not with --shadow)")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
@@ -222,6 +239,9 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=4096, help="--shadow's KV pages")
     ap.add_argument("--metrics-port", type=int, help="as `treespec draft --metrics-port`")
     a = ap.parse_args()
+    draft_ms = tuple(float(x) for x in f"{a.emulated_draft_ms},0".split(",")[:2])
+    if a.shadow and any(draft_ms):
+        ap.error("--emulated-draft-ms replaces a drafter's compute: not with --shadow")
     from treespec.common.spec.tree import envelope_from
     from treespec.draft_service import server
     from treespec.draft_service.config import DraftConfig
@@ -245,7 +265,7 @@ def main() -> None:
                           device="cpu", local_socket=a.local_socket,
                           metrics_port=a.metrics_port, lookahead=a.lookahead)
         proposer = ReplayProposer(records, a.depth, a.corrupt, a.vocab, a.accept,
-                                  a.hit_rate if a.lookahead else None)
+                                  a.hit_rate if a.lookahead else None, draft_ms)
     server.run(cfg, proposer=proposer)
 
 

@@ -34,7 +34,7 @@ def bench_argv(name: str, d: Path) -> tuple[list[str], dict[str, str] | None]:
         # not its figures: a CPU step at this shape's 152k vocabulary is ~0.15 s)
         return script + ["--ctx", "32", "--max-tokens", "16", "--batches", "1",
                          "--nodes", "0,4", "--verify-iters", "3", "--ab-grpc",
-                         "--lookahead-hit-rates", "1"], None
+                         "--lookahead-hit-rates", "1", "--emulated-draft-ms", "25"], None
     if name == "drafters":
         # the verify's deadline as the in-process tests have it (tests/inproc.py): with
         # the other runs beside it, a CPU step can pass the served 100 ms default
@@ -117,6 +117,10 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(benches):
     # the replay's lookahead at a set hit rate of 1: every candidate tried is the outcome
     la = e2e["replay_la1_b1"]
     assert la["lossless"] and la["lookahead_hits"] > 0 and "lookahead_misses" not in la
+    # the emulated remote draft: each draft answer takes its 25 ms, lookahead or not
+    for key in ("replay_em_b1", "replay_em_la1_b1"):
+        assert e2e[key]["lossless"] and e2e[key]["hop_draft_ms"] >= 25, key
+    assert e2e["replay_em_la1_b1"]["lookahead_hits"] > 0
     # batch 1's figures are the median of three timed runs, all with the same output
     for key in ("plain_b1", "replay_b1", "replay_b1_grpc"):
         runs = e2e[key]["tok_s_runs"]
