@@ -81,6 +81,10 @@ class DraftLink:
         # sequences, new prompts)
         self._blind, self._blind_fresh = 0, False
         self.unwaited_s = [0.0, 0.0]
+        # the catch-up request outstanding (answered: done), and the hidden-state bytes
+        # catch-ups carried since the last step's answer counted them
+        self._caught: asyncio.Future | None = None
+        self._caught_bytes = 0
         self._down: str | None = None          # why the draft is unreachable, last logged
         # the lookahead awaited (it follows the answer to this step), set once it lands
         self._ahead_step: int | None = None
@@ -130,6 +134,8 @@ class DraftLink:
         if self._ahead is not None:
             _settle(self._ahead, None)
         self._ahead_step = self._ahead = None
+        if self._caught is not None:
+            _settle(self._caught, None)
         if call is not None:
             call.cancel()
         if channel is not None:
@@ -265,6 +271,8 @@ class DraftLink:
         else:
             self._outstanding = None
             self.sync.resync(list(msg.resync))
+            if self._caught is not None:
+                _settle(self._caught, None)
 
     def _take_ahead(self, msg: pb.Proposal) -> None:
         """The lookahead awaited, kept for the next step (a late or undecodable one is
@@ -317,8 +325,54 @@ class DraftLink:
         spent, self.unwaited_s = tuple(self.unwaited_s), [0.0, 0.0]
         return spent
 
+    async def catch_up(self, seqs: list[Sequence]) -> None:
+        """What the draft lacks of the prompts still crossing (DraftSync.catch_up), sent
+        in a request nobody waits for, when no request is outstanding: the draft takes it
+        in while the target runs the step and the next prefill, and the next step's
+        request waits for its answer (at most a step's cost) rather than finding the
+        draft busy. seqs: those the draft may speculate on, prefilling ones included."""
+        if not (self.ready and self._info.target_hidden_layers) \
+                or self._outstanding is not None:
+            return
+        out = self.sync.catch_up(seqs)
+        if out is None:
+            return
+        self._sent = (out.request.step_id, sum(len(u.new_tokens) for u in out.request.seqs),
+                      time.time_ns())
+        self._caught_bytes += out.hidden_bytes
+        self._caught = asyncio.get_running_loop().create_future()
+        await self._send_only(seqs, out)
+        if self._outstanding is None:       # not sent
+            self._caught = None
+
+    async def _await_caught(self, step_s: float | None) -> None:
+        """The outstanding catch-up's answer, waited for at most the step's cost (or half
+        the deadline): the draft answers requests in order, so a step asked behind a
+        catch-up would wait for it there anyway."""
+        fut = self._caught
+        if fut is None or fut.done():
+            self._caught = None
+            return
+        wait = self.deadline_s / 2 if step_s is None else min(step_s, self.deadline_s / 2)
+        try:
+            if self.busy_poll:
+                await asyncio.wait_for(spin_until(fut.done), wait)
+            else:
+                await asyncio.wait_for(asyncio.shield(fut), wait)
+        except asyncio.TimeoutError:
+            return
+        self._caught = None
+
     async def propose(self, seqs: list[Sequence], trace: dict[str, str],
                       depth: int = 0, step_s: float | None = None) -> Drafted:
+        """_propose's answer, counting the hidden states catch-ups carried since the last."""
+        got = await self._propose(seqs, trace, depth, step_s)
+        got.hidden_bytes += self._caught_bytes
+        self._caught_bytes = 0
+        return got
+
+    async def _propose(self, seqs: list[Sequence], trace: dict[str, str],
+                       depth: int = 0, step_s: float | None = None) -> Drafted:
         """Send one step's request and wait up to the deadline for its answer: one
         future, completed by the stream reader, a timer or a dropped connection.
         step_s: what the step costs, when known: a catch-up predicted longer is sent
@@ -331,6 +385,7 @@ class DraftLink:
         t_wait = time.perf_counter()
         ahead_late = await self._await_ahead()
         waited = time.perf_counter() - t_wait
+        await self._await_caught(step_s)
         if self._outstanding is not None:
             return Drafted(None, "busy")     # the draft is still on a step that timed out
         out = self.sync.request(seqs, bool(self._info.target_hidden_layers), trace, depth)
@@ -341,13 +396,18 @@ class DraftLink:
         if out.rows and set(out.rows) <= set(out.syncing):
             self.sync.take_ahead(None)
             return await self._send_only(seqs, out)
+        if not out.rows:                    # every row still crossing in catch-ups
+            self.sync.take_ahead(None)
+            self._expect_ahead(None)
+            return Drafted(None, step_id=step, syncing=out.syncing, catch_up=True,
+                           fresh=out.fresh)
         self._expect_ahead(out)
         if out.rows and len(out.hits) == len(out.rows):
             return await self._send_ahead(seqs, out)
         late = self.deadline_s / 2 if step_s is None else min(step_s, self.deadline_s / 2)
         if (self.catch_up_rate and out.catch_up(self._info.envelope.depth)
                 and new / self.catch_up_rate > late):
-            out.syncing = list(out.rows)    # its trees would come too late to wait for
+            out.syncing = sorted({*out.syncing, *out.rows})  # too late to wait for
             self._expect_ahead(None)
             return await self._send_only(seqs, out)
         loop = asyncio.get_running_loop()
@@ -428,4 +488,4 @@ class DraftLink:
         t = out.ahead.trees.take([out.hits[i] for i in rows])
         return Drafted(TreeBatch(t.tokens.clone(), t.parents.clone()),
                        step_id=out.request.step_id, stamps=(t_sent, t_sent, 0, 0),
-                       rows=rows, lookahead_hits=len(rows))
+                       syncing=out.syncing, rows=rows, lookahead_hits=len(rows))

@@ -23,7 +23,16 @@ straight into the connection's shared buffer (common/wire/shared_buffer.py), who
 request then carries only where they lie. Where the draft has given its projection
 (DrafterInfo.projected_width: its first use of the rows), the rows leave projected,
 in one matrix product on the device: a third (EAGLE-3) or a fifth (DFlash) of the
-bytes, so a prompt also takes that many fewer steps to cross.
+bytes.
+
+A prompt's states cross as the prefill makes them, not with the steps: ``catch_up``
+makes a request, sent without waiting, of what the draft lacks of prompts of more than
+CATCH_UP_FROM rows (while they prefill, and the last chunk's after), as much as the
+shared buffer holds (across hosts MAX_HIDDEN_BYTES, as a step: the message is encoded on
+the verify's event loop), so a prompt has crossed about when its prefill ends.
+A step's own request leaves such sequences out (``syncing``): the draft's catch-up over
+them never delays a step's answer. Example: a 2,048-token prompt prefilled in chunks of
+512 crosses in four catch-ups of 512 rows, one after each chunk's forward.
 """
 
 from __future__ import annotations
@@ -47,12 +56,16 @@ if TYPE_CHECKING:
 # takes. The bound keeps a step's answer inside the deadline (32 MB took ~100 ms to
 # encode, carry and decode on a GPU host: every syncing step missed its deadline)
 MAX_HIDDEN_BYTES = 8 << 20
+# a prompt of more rows than this crosses in catch-up requests of its own, as it is
+# prefilled; a shorter one goes with its first step, which waits for it
+CATCH_UP_FROM = 64
 
 
 @dataclass
 class _Cursor:
     sent: int            # committed tokens the draft holds
     tree_step: int       # the step whose tree the sequence got last
+    catching_up: bool = False       # its prompt crosses in catch-up requests
 
 
 @dataclass
@@ -71,6 +84,7 @@ class Outgoing:
     misses: int = 0                 # rows with candidates, none of them the outcome
     ahead: Lookahead | None = None  # the lookahead the hits come from
     asks_ahead: bool = False        # some row wants candidates for its next step
+    catching_up: bool = False       # a catch-up request (DraftSync.catch_up)
 
     def catch_up(self, depth: int) -> bool:
         """Whether a sequence gets more new tokens than a step of depth commits."""
@@ -196,63 +210,141 @@ class DraftSync:
         room = MAX_HIDDEN_BYTES if self.shared is None else self.shared.nbytes
         return room if self.max_hidden_bytes is None else min(room, self.max_hidden_bytes)
 
+    def _sent(self, s: Sequence) -> int:
+        c = self._cursors.get(s.seq_id)
+        return 0 if c is None else c.sent
+
+    def catching_up(self, s: Sequence) -> bool:
+        """Whether s's prompt crosses in catch-ups: it has not all crossed, and it began
+        so, with more than CATCH_UP_FROM rows to cross (counting those its prefill has yet
+        to make)."""
+        c, prompt = self._cursors.get(s.seq_id), len(s.req.prompt_ids)
+        if s.hidden is None or (c is not None and c.sent >= prompt):
+            return False
+        if c is not None and c.sent:
+            return c.catching_up
+        return max(len(s.tokens), prompt + 1) > CATCH_UP_FROM
+
+    def _row_bytes(self, s: Sequence) -> tuple[torch.Tensor | None, int]:
+        """The projection s's rows leave through (if any), and a row's bytes on the way."""
+        row = s.hidden.rows[0]
+        proj = self._projected(row)
+        return proj, (row.numel() if proj is None else proj.shape[0]) * row.element_size()
+
     def request(self, seqs: list[Sequence], hidden: bool, trace: dict[str, str],
                 depth: int = 0) -> Outgoing:
         """The next step's request for seqs, trees to `depth` (0: the envelope's);
         hidden: send target hidden states, at most max_hidden_bytes of them (the rest
-        of a sequence's follow in later steps)."""
-        self.step_id += 1
+        of a sequence's follow in later steps; a prompt still catching up is left out)."""
+        out = self._outgoing(trace, depth)
         budget = full = self._budget()
-        out = Outgoing(SpecRequest(self.step_id, [], self._released, trace_context=trace,
-                                   max_depth=depth),
-                       [], [], [])
-        parts: list[torch.Tensor] = []
+        parts: list[tuple[SeqUpdate, torch.Tensor]] = []
         proj = None
         for i, s in enumerate(seqs):
             c = self._cursors.get(s.seq_id)
-            sent, end = (c.sent if c is not None else 0), len(s.tokens)
+            sent, end = self._sent(s), len(s.tokens)
             out.fresh |= sent < len(s.req.prompt_ids)
+            part = None
             if hidden and s.hidden is not None:
-                row = s.hidden.rows[0]
-                proj = self._projected(row)
-                row_bytes = (row.numel() if proj is None else proj.shape[0]) * row.element_size()
-                end = min(end, sent + budget // row_bytes)
+                if self.catching_up(s):
+                    out.syncing.append(i)           # crossing in catch-ups: not waited for
+                    continue
+                part, proj, row_bytes = self._rows(s, sent, end, budget)
+                end = sent + (0 if part is None else part.shape[0])
                 if end == sent:
                     out.syncing.append(i)           # nothing of it fits this step
                     continue
                 if end < len(s.tokens):
                     out.syncing.append(i)
-                parts.append(update_rows(s, sent, end))
-                budget -= parts[-1].shape[0] * row_bytes
+                budget -= part.shape[0] * row_bytes
             tried, hit = self._match(s, c, end)
             if hit is not None:
                 out.hits[i] = hit
             out.misses += tried and hit is None
             wants = self._wants_ahead(s) and end == len(s.tokens)
             out.asks_ahead |= wants
-            out.rows.append(i)
-            out.ends.append(end)
-            out.request.seqs.append(SeqUpdate(
-                seq_id=s.seq_id, committed_len=end, new_tokens=s.tokens[sent:end],
-                full=sent == 0, accepted_nodes=s.accepted_path if c is not None else [],
-                accepted_step_id=c.tree_step if c is not None else 0,
-                sampling=s.sampling if sent == 0 and not s.sampling.greedy else None,
-                rejection=self.rejection,
-                lookahead_hit=0 if hit is None else hit % self.lookahead + 1,
-                lookahead=wants))
+            u = self._add(out, i, s, c, end, hit, wants)
+            if part is not None:
+                parts.append((u, part))
         out.ahead = self.ahead
-        if parts:
-            place = self._staging.host_copy if self.shared is None else self.shared.place
-            for u, r in zip(out.request.seqs, to_host(parts, place, proj)):
-                u.hidden = r
-            out.hidden_bytes = full - budget
+        self._attach(out, parts, proj, full - budget)
         return out
+
+    def catch_up(self, seqs: list[Sequence]) -> Outgoing | None:
+        """A request of what the draft lacks of the sequences still catching up (prefilling
+        ones included: as many rows as their prefill has made), at most what the transport
+        carries in one request (the shared buffer's size, or MAX_CATCH_UP_BYTES); sent
+        without waiting, its trees unused. None when nothing is owed."""
+        todo = [(i, s) for i, s in enumerate(seqs) if self.catching_up(s)]
+        if not todo:
+            return None
+        out = self._outgoing({}, 0)
+        out.catching_up = True
+        budget = full = MAX_HIDDEN_BYTES if self.shared is None else self.shared.nbytes
+        parts: list[tuple[SeqUpdate, torch.Tensor]] = []
+        proj = None
+        for i, s in todo:
+            sent = self._sent(s)
+            part, proj, row_bytes = self._rows(s, sent, min(len(s.tokens), s.hidden.len + 1),
+                                               budget)
+            if part is None:
+                continue
+            budget -= part.shape[0] * row_bytes
+            out.fresh = True
+            out.syncing.append(i)
+            parts.append((self._add(out, i, s, self._cursors.get(s.seq_id),
+                                    sent + part.shape[0], None, False), part))
+        if not parts:
+            return None
+        self._attach(out, parts, proj, full - budget)
+        return out
+
+    def _outgoing(self, trace: dict[str, str], depth: int) -> Outgoing:
+        self.step_id += 1
+        return Outgoing(SpecRequest(self.step_id, [], self._released, trace_context=trace,
+                                    max_depth=depth), [], [], [])
+
+    def _rows(self, s: Sequence, sent: int, end: int, budget: int
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+        """s's device rows from sent towards end, as many as budget bytes take (None:
+        none), the projection they leave through (if any) and a row's bytes on the way."""
+        proj, row_bytes = self._row_bytes(s)
+        end = min(end, sent + budget // row_bytes)
+        return (update_rows(s, sent, end) if end > sent else None), proj, row_bytes
+
+    def _add(self, out: Outgoing, i: int, s: Sequence, c: _Cursor | None, end: int,
+             hit: int | None, wants: bool) -> SeqUpdate:
+        """seqs[i]'s update, bringing the draft to its first `end` tokens, added to out."""
+        sent = 0 if c is None else c.sent
+        out.rows.append(i)
+        out.ends.append(end)
+        u = SeqUpdate(
+            seq_id=s.seq_id, committed_len=end, new_tokens=s.tokens[sent:end],
+            full=sent == 0, accepted_nodes=s.accepted_path if c is not None else [],
+            accepted_step_id=c.tree_step if c is not None else 0,
+            sampling=s.sampling if sent == 0 and not s.sampling.greedy else None,
+            rejection=self.rejection,
+            lookahead_hit=0 if hit is None else hit % self.lookahead + 1,
+            lookahead=wants)
+        out.request.seqs.append(u)
+        return u
+
+    def _attach(self, out: Outgoing, parts: list[tuple[SeqUpdate, torch.Tensor]],
+                proj: torch.Tensor | None, nbytes: int) -> None:
+        """Each update's device rows onto the host (all in one copy) and into it."""
+        if not parts:
+            return
+        place = self._staging.host_copy if self.shared is None else self.shared.place
+        for (u, _), r in zip(parts, to_host([t for _, t in parts], place, proj)):
+            u.hidden = r
+        out.hidden_bytes = nbytes
 
     def sent(self, seqs: list[Sequence], out: Outgoing) -> None:
         """out left (the draft may have applied it, answer or not)."""
         self._released = []
         for i, end in zip(out.rows, out.ends):
-            self._cursors[seqs[i].seq_id] = _Cursor(end, self.step_id)
+            self._cursors[seqs[i].seq_id] = _Cursor(end, out.request.step_id,
+                                                    out.catching_up)
 
     def resync(self, seq_ids: list[int]) -> None:
         """The draft lost these: their next update is full."""

@@ -75,6 +75,11 @@ class Drafter(Protocol):
     def release(self, seq_ids: list[int]) -> None:
         """These sequences ended; the draft may forget them."""
 
+    async def catch_up(self, seqs: list[Sequence]) -> None:
+        """Send, without waiting, the target hidden states the draft lacks of prompts
+        still crossing (prefilling ones as far as prefilled); only called for a drafter
+        that reads them (DrafterInfo.target_hidden_layers)."""
+
     def take_unwaited(self) -> tuple[float, float]:
         """Seconds the draft spent since the last call on requests no step waited for
         (catch-ups sent without waiting, answers past the deadline): on returning

@@ -285,15 +285,30 @@ class VerifyEngine:
                         self.limits[flag], flag)
 
     async def _step(self) -> None:
-        """One decode step: schedule -> run -> postprocess."""
+        """One decode step: schedule -> run -> postprocess; meanwhile the draft takes in
+        the prompts' hidden states it lacks (_catch_up)."""
         seqs = [s for s in self.running
                 if s.finish is None and not s.cancelled and not s.prefilling]
         if not seqs:
+            await self._catch_up()
             return
         self.observer.step_started(seqs)
         step = await self.scheduler.schedule(seqs, self.observer)   # rows, plan, trees
+        await self._catch_up()
         result = await self.runner.step(step.batch)     # one target forward, accept, commit KV
         self._postprocess(step, result)                 # stream, count, teach the controller
+
+    async def _catch_up(self) -> None:
+        """Send the draft the hidden states of prompts still crossing (prefilling ones as
+        far as prefilled), in a request no step waits for (DraftLink.catch_up): a prompt
+        has crossed about when its prefill ends, and the draft's intake of it overlaps
+        the target's forwards instead of delaying a step's answer."""
+        if self.link is None or not self.verifier.capture_layers:
+            return
+        await self.link.catch_up([
+            s for s in self.running if s.speculative and s.hidden is not None
+            and s.finish is None and not s.cancelled
+            and not self.scheduler.past_draft_limit(s)])
 
     def _postprocess(self, step: ScheduledStep, result: StepResult) -> None:
         t_verified = time.time_ns()
