@@ -18,18 +18,17 @@ import logging
 import time
 
 import grpc
-import torch
 
 from treespec.common.wire import codec, frames, convert as wire
 from treespec.common.serving.aio import cancel_and_wait, spin_until
 from treespec.common.serving.grpc_server import MESSAGE_LIMITS
 from treespec.common.serving.auth import metadata
-from treespec.common.wire.shared_buffer import SharedBuffer
 from treespec.common.spec.messages import DrafterInfo
 from treespec.common.spec.tree import TreeBatch
 from treespec.common.serving.tls import ClientTLS, channel
 from treespec.protos.treespec.v1 import treespec_pb2 as pb
 from treespec.protos.treespec.v1 import treespec_pb2_grpc as pb_grpc
+from treespec.verify_service.draft_connect import attach_shared, fetch_projection, open_local
 from treespec.verify_service.draft_sync import DraftSync, Outgoing
 from treespec.verify_service.drafter import Drafted
 from treespec.verify_service.sequence import Sequence
@@ -176,11 +175,12 @@ class DraftLink:
         if bad:
             raise RuntimeError(f"draft wants hidden states of target layers {bad}, but the "
                                f"target has layers 0..{self.num_layers}; not using this draft")
-        projection = await self._projection(stub, info)
+        projection = await fetch_projection(stub, info, self._md)
         self._info = info
-        self._call = await self._open_local(info_pb) or stub.Speculate(metadata=self._md)
+        self._call = (await open_local(info_pb) if self.local else None) \
+            or stub.Speculate(metadata=self._md)
         self.carrier = "unix socket" if isinstance(self._call, frames.FrameStream) else "grpc"
-        self.sync.reset(self._attach_shared(info), projection)
+        self.sync.reset(attach_shared(self._call, info), projection)
         self.sync.lookahead = info.lookahead
         self.catch_up_rate, self._down = None, None     # another draft: measured afresh
         log.info("draft %s connected: %s, envelope %s, steps by %s%s%s%s", self.addr,
@@ -191,42 +191,6 @@ class DraftLink:
         async for msg in self._call:
             self._deliver(msg)
         raise RuntimeError("draft closed the Speculate stream")
-
-    async def _projection(self, stub: pb_grpc.DrafterStub, info: DrafterInfo
-                          ) -> torch.Tensor | None:
-        """The draft's projection of the hidden states it reads, where it gives one."""
-        if not (info.projected_width and info.target_hidden_layers):
-            return None
-        blocks = [codec.decode(m) async for m in
-                  stub.GetProjection(pb.ProjectionRequest(), timeout=60, metadata=self._md)]
-        w = torch.cat(blocks) if blocks else None
-        if w is None or w.dim() != 2 or w.shape[0] != info.projected_width:
-            raise RuntimeError(f"draft announced a projection to {info.projected_width} "
-                               f"columns but sent {None if w is None else tuple(w.shape)}")
-        return w
-
-    async def _open_local(self, info: pb.DrafterInfo) -> frames.FrameStream | None:
-        """The draft's local socket, when it advertises one and it answers as that draft."""
-        if not (self.local and info.local_socket and info.instance_id):
-            return None
-        try:
-            return await frames.FrameStream.open(info.local_socket, info.instance_id,
-                                                 pb.Proposal.FromString)
-        except (OSError, asyncio.TimeoutError, frames.FrameError) as e:
-            log.info("draft's local socket %s not usable here (%s)", info.local_socket, e)
-            return None
-
-    def _attach_shared(self, info: DrafterInfo) -> SharedBuffer | None:
-        """The shared buffer the draft named in its hello, when it reads hidden states."""
-        path = getattr(self._call, "shared_path", None)
-        if not (path and info.target_hidden_layers):
-            return None
-        try:
-            return SharedBuffer.attach(path, pin=torch.cuda.is_available())
-        except OSError as e:
-            log.info("draft's shared buffer %s not usable here (%s): hidden states travel "
-                     "in the messages", path, e)
-            return None
 
     async def _send_only(self, seqs: list[Sequence], out: Outgoing) -> Drafted:
         """A request whose every row is still being synced (its trees would go unused),
