@@ -273,7 +273,7 @@ class DraftSync:
     def catch_up(self, seqs: list[Sequence]) -> Outgoing | None:
         """A request of what the draft lacks of the sequences still catching up (prefilling
         ones included: as many rows as their prefill has made), at most what the transport
-        carries in one request (the shared buffer's size, or MAX_CATCH_UP_BYTES); sent
+        carries in one request (the shared buffer's size, or MAX_HIDDEN_BYTES across hosts); sent
         without waiting, its trees unused. None when nothing is owed."""
         todo = [(i, s) for i, s in enumerate(seqs) if self.catching_up(s)]
         if not todo:
