@@ -8,9 +8,10 @@ path (the skinny kernel up to 16 rows, cuBLAS past), with each config's bits che
 Rows: 1 = a plain step at batch 1, 5 = a 4-node verify, 40 / 320 = 5-node trees at
 batch 8 / 64, 4160 = 64-node trees at batch 64. Per product and config: time at every
 row count (a CUDA graph walking weight copies larger than L2, bench/gemv_probe.py's
-graph_ms) and whether a row gives the same bits alone and first, middle and last
-among M rows at every M. The pick per product: among configs invariant at every M,
-the one whose worst time / default time over the row counts is least. --write-config
+graph_ms), whether a row gives the same bits alone and first, middle and last among
+M rows at every M, and which configs give each other's bits (same_bits: such configs
+may serve different row counts). The pick per product: among configs invariant at
+every M, the one whose worst time / default time over the row counts is least. --write-config
 merges the picks into the tuned file under this GPU's name (the invariant backend
 reads it at import).
 """
@@ -28,7 +29,8 @@ from gemv_probe import SHAPES, graph_ms
 from treespec.kernels import triton_backend, triton_gemv
 
 # (BM, BN, BK, num_warps, num_stages); the 16-row class's tiles are tried as well
-CANDIDATES = [(64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (64, 128, 64, 4, 3),
+CANDIDATES = [(32, 64, 64, 4, 3), (64, 32, 64, 4, 4),
+              (64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (64, 128, 64, 4, 3),
               (64, 128, 128, 8, 3), (64, 32, 256, 4, 4), (128, 64, 64, 4, 3),
               (128, 128, 64, 8, 3)]
 
@@ -76,9 +78,11 @@ def main() -> None:
             entry["default_ms"][m] = graph_ms([lambda w=w, x=xs[m]: base(x, w) for w in ws])
         n_out = n // 2 if silu else n           # the kernel's output columns
         sixteen = (16, *triton_gemv.pick_config(n_out, k, silu, 16))
+        outs: dict[str, torch.Tensor] = {}      # each config's rows, for bits across configs
         for cfg in [sixteen] + CANDIDATES:
             run = product(silu, cfg)
             try:
+                outs[str(cfg)] = run(xs[rows[-1]][:64], ws[0])
                 want = F.linear(xs[rows[-1]][:64].float(), ws[0].float())
                 got = run(xs[rows[-1]][:64], ws[0]).float()
                 if silu:
@@ -94,6 +98,10 @@ def main() -> None:
             print(f"{pname:8s} {cfg}: " + (c.get("error") or
                   f"inv {c['invariant']} err {c['rel_err']:.1e} worst x{c['worst_ratio']:.2f} "
                   + " ".join(f"{m}:{c['ms'][m] * 1000:.0f}us" for m in rows)), flush=True)
+        # configs whose rows carry the same bits (one K order: these may share rows by M)
+        entry["same_bits"] = [[a, b] for i, a in enumerate(outs) for b in list(outs)[i + 1:]
+                              if torch.equal(outs[a], outs[b])]
+        print(f"{pname:8s} same bits: {entry['same_bits']}", flush=True)
         ok = {cfg: c for cfg, c in entry["configs"].items()
               if c.get("invariant") and c.get("rel_err", 1) < 2e-2}
         if ok:
