@@ -27,6 +27,10 @@ class SeqUpdate:
     rejection: bool = False       # with sampling: accepted by rejection sampling (else coupled)
     lookahead_hit: int = 0        # k + 1: this step verifies lookahead candidate k (no tree)
     lookahead: bool = False       # pre-draft candidates for the next step
+    # full updates to a feature drafter: the first cached_len tokens' state comes from
+    # the draft's prefix cache (the verify reused their KV: it has no hidden states of
+    # them); hidden then holds the rows of new_tokens[cached_len + 1:]
+    cached_len: int = 0
 
 
 @dataclass
@@ -47,6 +51,9 @@ class SpecResponse:
     seq_ids: list[int]
     trees: TreeBatch
     resync: list[int] = field(default_factory=list)
+    # full updates whose cached prefix (cached_len) the draft does not hold: dropped,
+    # padding rows, never to be drafted for (their hidden states exist nowhere)
+    lost_prefix: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -82,3 +89,4 @@ class DrafterInfo:
     max_model_len: int = 0          # committed tokens a sequence may have (0: no limit)
     projected_width: int = 0        # hidden states it also takes projected (see the proto)
     lookahead: int = 0              # candidate trees pre-drafted per sequence (0: none)
+    prefix_block_size: int = 0      # it caches its state of prefixes in such pages (0: none)

@@ -25,14 +25,16 @@ def drafter_info_to_pb(i: DrafterInfo) -> pb.DrafterInfo:
     return pb.DrafterInfo(envelope=envelope_to_pb(i.envelope), vocab_size=i.vocab_size,
                           proposer=i.proposer, target_hidden_layers=list(i.target_hidden_layers),
                           model=i.model, max_model_len=i.max_model_len,
-                          projected_width=i.projected_width, lookahead=i.lookahead)
+                          projected_width=i.projected_width, lookahead=i.lookahead,
+                          prefix_block_size=i.prefix_block_size)
 
 
 def drafter_info_from_pb(m: pb.DrafterInfo) -> DrafterInfo:
     return DrafterInfo(envelope=envelope_from_pb(m.envelope), vocab_size=m.vocab_size,
                        proposer=m.proposer, target_hidden_layers=tuple(m.target_hidden_layers),
                        model=m.model, max_model_len=m.max_model_len,
-                       projected_width=m.projected_width, lookahead=m.lookahead)
+                       projected_width=m.projected_width, lookahead=m.lookahead,
+                       prefix_block_size=m.prefix_block_size)
 
 
 def spec_request_to_pb(r: SpecRequest, shared: SharedBuffer | None = None
@@ -45,7 +47,7 @@ def spec_request_to_pb(r: SpecRequest, shared: SharedBuffer | None = None
         s = add(seq_id=u.seq_id, committed_len=u.committed_len, new_tokens=u.new_tokens,
                 full=u.full, accepted_nodes=u.accepted_nodes,
                 accepted_step_id=u.accepted_step_id, lookahead_hit=u.lookahead_hit,
-                lookahead=u.lookahead)
+                lookahead=u.lookahead, cached_len=u.cached_len)
         if u.hidden is not None:
             s.hidden_states.CopyFrom(codec.encode(u.hidden, shared))
         if u.sampling is not None:
@@ -66,7 +68,7 @@ def spec_request_from_pb(m: pb.SpeculateRequest, shared: SharedBuffer | None = N
                       if u.HasField("hidden_states") else None,
                       sampling=_sampling(u.sampling) if u.HasField("sampling") else None,
                       rejection=u.rejection_sampling, lookahead_hit=u.lookahead_hit,
-                      lookahead=u.lookahead)
+                      lookahead=u.lookahead, cached_len=u.cached_len)
             for u in m.sequences]
     return SpecRequest(step_id=m.step_id, seqs=seqs, released=list(m.released),
                        trace_context=dict(m.trace_context), max_depth=m.max_depth)
@@ -82,7 +84,8 @@ def response_to_pb(r: SpecResponse) -> pb.Proposal:
     t = r.trees
     m = pb.Proposal(step_id=r.step_id, seq_ids=r.seq_ids,
                     tokens=codec.encode(t.tokens.to(torch.int32)),
-                    parents=codec.encode(t.parents.to(torch.int32)), resync=r.resync)
+                    parents=codec.encode(t.parents.to(torch.int32)), resync=r.resync,
+                    lost_prefix=r.lost_prefix)
     if t.q_ids is not None:
         m.q_ids.CopyFrom(codec.encode(t.q_ids.to(torch.int32)))
         m.q_probs.CopyFrom(codec.encode(t.q_probs.to(torch.float32)))
@@ -121,4 +124,4 @@ def response_from_pb(m: pb.Proposal) -> SpecResponse:
         trees.q_ids = codec.decode(m.q_ids, expect_dtype=torch.int32)
         trees.q_probs = codec.decode(m.q_probs, expect_dtype=torch.float32)
     return SpecResponse(step_id=m.step_id, seq_ids=list(m.seq_ids), trees=trees,
-                        resync=list(m.resync))
+                        resync=list(m.resync), lost_prefix=list(m.lost_prefix))

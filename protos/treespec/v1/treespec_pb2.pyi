@@ -139,7 +139,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("envelope", "vocab_size", "proposer", "target_hidden_layers", "model", "local_socket", "instance_id", "max_model_len", "projected_width", "lookahead")
+    __slots__ = ("envelope", "vocab_size", "proposer", "target_hidden_layers", "model", "local_socket", "instance_id", "max_model_len", "projected_width", "lookahead", "prefix_block_size")
     ENVELOPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class DrafterInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     PROJECTED_WIDTH_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     envelope: TreeEnvelope
     vocab_size: int
     proposer: str
@@ -160,14 +161,15 @@ class DrafterInfo(_message.Message):
     max_model_len: int
     projected_width: int
     lookahead: int
-    def __init__(self, envelope: _Optional[_Union[TreeEnvelope, _Mapping]] = ..., vocab_size: _Optional[int] = ..., proposer: _Optional[str] = ..., target_hidden_layers: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., local_socket: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., projected_width: _Optional[int] = ..., lookahead: _Optional[int] = ...) -> None: ...
+    prefix_block_size: int
+    def __init__(self, envelope: _Optional[_Union[TreeEnvelope, _Mapping]] = ..., vocab_size: _Optional[int] = ..., proposer: _Optional[str] = ..., target_hidden_layers: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., local_socket: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., projected_width: _Optional[int] = ..., lookahead: _Optional[int] = ..., prefix_block_size: _Optional[int] = ...) -> None: ...
 
 class ProjectionRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "new_tokens", "full", "accepted_nodes", "accepted_step_id", "hidden_states", "sampling", "rejection_sampling", "lookahead_hit", "lookahead")
+    __slots__ = ("seq_id", "committed_len", "new_tokens", "full", "accepted_nodes", "accepted_step_id", "hidden_states", "sampling", "rejection_sampling", "lookahead_hit", "lookahead", "cached_len")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +181,7 @@ class SequenceUpdate(_message.Message):
     REJECTION_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_HIT_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     committed_len: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -190,7 +193,8 @@ class SequenceUpdate(_message.Message):
     rejection_sampling: bool
     lookahead_hit: int
     lookahead: bool
-    def __init__(self, seq_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., full: _Optional[bool] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., accepted_step_id: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., rejection_sampling: _Optional[bool] = ..., lookahead_hit: _Optional[int] = ..., lookahead: _Optional[bool] = ...) -> None: ...
+    cached_len: int
+    def __init__(self, seq_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., full: _Optional[bool] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., accepted_step_id: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., rejection_sampling: _Optional[bool] = ..., lookahead_hit: _Optional[int] = ..., lookahead: _Optional[bool] = ..., cached_len: _Optional[int] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("step_id", "sequences", "released", "trace_context", "max_depth")
@@ -214,7 +218,7 @@ class SpeculateRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., max_depth: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "tokens", "parents", "resync", "received_unix_ns", "sent_unix_ns", "q_ids", "q_probs", "lookahead", "lookahead_keys")
+    __slots__ = ("step_id", "seq_ids", "tokens", "parents", "resync", "received_unix_ns", "sent_unix_ns", "q_ids", "q_probs", "lookahead", "lookahead_keys", "lost_prefix")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +230,7 @@ class Proposal(_message.Message):
     Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_KEYS_FIELD_NUMBER: _ClassVar[int]
+    LOST_PREFIX_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     tokens: Tensor
@@ -237,4 +242,5 @@ class Proposal(_message.Message):
     q_probs: Tensor
     lookahead: bool
     lookahead_keys: Tensor
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., parents: _Optional[_Union[Tensor, _Mapping]] = ..., resync: _Optional[_Iterable[int]] = ..., received_unix_ns: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., q_ids: _Optional[_Union[Tensor, _Mapping]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., lookahead: _Optional[bool] = ..., lookahead_keys: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    lost_prefix: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., parents: _Optional[_Union[Tensor, _Mapping]] = ..., resync: _Optional[_Iterable[int]] = ..., received_unix_ns: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., q_ids: _Optional[_Union[Tensor, _Mapping]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., lookahead: _Optional[bool] = ..., lookahead_keys: _Optional[_Union[Tensor, _Mapping]] = ..., lost_prefix: _Optional[_Iterable[int]] = ...) -> None: ...
