@@ -152,10 +152,12 @@ class DFlashHead(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+    def new_cache(self, num_blocks: int, block_size: int, prefix: str | None = None
+                  ) -> PagedKVCache:
+        """prefix: the identity its pages' prefix keys name (None: no prefix caching)."""
         s = self.spec.layers
         return PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, num_blocks, block_size,
-                            self.dtype, self.device)
+                            self.dtype, self.device, prefix=prefix)
 
     @torch.inference_mode()
     def write_context(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

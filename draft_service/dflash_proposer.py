@@ -53,7 +53,8 @@ class DFlashProposer(FeatureDrafter):
     levels = True           # a shallower tree: the LM head on that many block positions
 
     def __init__(self, head: DFlashHead, env: TreeEnvelope, ops: ModuleType,
-                 num_blocks: int, block_size: int, model_name: str = "") -> None:
+                 num_blocks: int, block_size: int, model_name: str = "",
+                 prefix_caching: bool = True) -> None:
         spec = head.spec
         if env.depth > spec.block_size - 1:
             raise ValueError(f"envelope {env.name} is {env.depth} deep, but a DFlash block "
@@ -64,7 +65,8 @@ class DFlashProposer(FeatureDrafter):
         dev = head.device
         self._parents = torch.full((1, spec.block_size), BLOCK, dtype=torch.int32, device=dev)
         self._depths = torch.arange(spec.block_size, device=dev)
-        super().__init__(head.new_cache(num_blocks, block_size), env, ops, model_name,
+        prefix = f"{self.name}|{model_name}|{head.spec!r}" if prefix_caching else None
+        super().__init__(head.new_cache(num_blocks, block_size, prefix), env, ops, model_name,
                          [((self.feature_size,), head.dtype)])
         self._scratch = max(self._scratch, spec.block_size)     # the block after the context
 
@@ -73,7 +75,7 @@ class DFlashProposer(FeatureDrafter):
         head = DFlashHead.from_pretrained(resolve_model(cfg.model), cfg.target_embeddings,
                                           dtype, device)
         return cls(head, cfg.envelope, select(device, cfg.kernels), cfg.num_blocks,
-                   cfg.block_size, model_name=cfg.model)
+                   cfg.block_size, model_name=cfg.model, prefix_caching=cfg.prefix_caching)
 
     # ------------------------------------------------------------ KVDrafter hooks
     def _prefill(self, rows: list[tuple[FeatureSeq, int, int]]) -> None:

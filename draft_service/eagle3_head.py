@@ -169,10 +169,12 @@ class Eagle3Head(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+    def new_cache(self, num_blocks: int, block_size: int, prefix: str | None = None
+                  ) -> PagedKVCache:
+        """prefix: the identity its pages' prefix keys name (None: no prefix caching)."""
         s = self.spec
         return PagedKVCache(1, s.num_kv_heads, s.head_dim, num_blocks, block_size,
-                            self.dtype, self.device)
+                            self.dtype, self.device, prefix=prefix)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, cache: PagedKVCache, ops: ModuleType,

@@ -47,7 +47,8 @@ class Eagle3Proposer(FeatureDrafter):
     levels = True
 
     def __init__(self, head: Eagle3Head, env: TreeEnvelope, ops: ModuleType,
-                 num_blocks: int, block_size: int, model_name: str = "") -> None:
+                 num_blocks: int, block_size: int, model_name: str = "",
+                 prefix_caching: bool = True) -> None:
         if env.topk > head.spec.draft_vocab_size:
             raise ValueError(f"topk {env.topk} exceeds the draft vocabulary "
                              f"({head.spec.draft_vocab_size})")
@@ -55,7 +56,8 @@ class Eagle3Proposer(FeatureDrafter):
         self.vocab_size = head.spec.vocab_size
         self.target_hidden_layers = head.spec.aux_layer_ids
         self._depths = level_depths(env, head.device)
-        super().__init__(head.new_cache(num_blocks, block_size), env, ops, model_name,
+        prefix = f"{self.name}|{model_name}|{head.spec!r}" if prefix_caching else None
+        super().__init__(head.new_cache(num_blocks, block_size, prefix), env, ops, model_name,
                          [((self.feature_size,), head.dtype)])
 
     @classmethod
@@ -63,7 +65,7 @@ class Eagle3Proposer(FeatureDrafter):
         head = Eagle3Head.from_pretrained(resolve_model(cfg.model), cfg.target_embeddings,
                                           dtype, device)
         return cls(head, cfg.envelope, select(device, cfg.kernels), cfg.num_blocks,
-                   cfg.block_size, model_name=cfg.model)
+                   cfg.block_size, model_name=cfg.model, prefix_caching=cfg.prefix_caching)
 
     # ------------------------------------------------------------ KVDrafter hooks
     def _prefill(self, rows: list[tuple[FeatureSeq, int, int]]) -> None:

@@ -13,6 +13,10 @@ cache of them per sequence and checks every update against it:
 * a ``full`` update of a sampling request carries its parameters and acceptance
   (rejection sampling or coupled), kept for the proposer (unless
   ``--draft-sampling deterministic``);
+* a ``full`` update naming a cached prefix (``cached_len``: the verify reused its KV
+  and has no hidden states of it) starts from the proposer's own cached state of it
+  (``take_prefix``); a proposer that lacks it drops the sequence, whose id goes into
+  ``SpecResponse.lost_prefix`` (no update could bring that state back);
 * ``released`` ids are forgotten before the batch is processed; past
   ``max_sequences`` the least recently used state is evicted (it will resync).
 
@@ -93,6 +97,10 @@ def check_request(req: SpecRequest, env: TreeEnvelope, vocab_size: int,
         if u.full and len(u.new_tokens) != u.committed_len:
             raise InvalidRequest(f"{where}: a full update has {len(u.new_tokens)} tokens "
                                  f"but committed_len {u.committed_len}")
+        if u.cached_len and not (u.full and u.cached_len < u.committed_len):
+            raise InvalidRequest(f"{where}: cached_len {u.cached_len} on a "
+                                 f"{'full' if u.full else 'partial'} update of "
+                                 f"committed_len {u.committed_len}")
         if u.new_tokens and (min(u.new_tokens) < 0
                              or (vocab_size and max(u.new_tokens) >= vocab_size)):
             raise InvalidRequest(f"{where}: a token is outside the vocabulary "
@@ -130,7 +138,8 @@ class DraftEngine:
         return DrafterInfo(envelope=self.env, vocab_size=p.vocab_size, proposer=p.name,
                            target_hidden_layers=tuple(p.target_hidden_layers), model=p.model,
                            max_model_len=self.cfg.max_model_len,
-                           projected_width=projected_width(p), lookahead=self.lookahead_k)
+                           projected_width=projected_width(p), lookahead=self.lookahead_k,
+                           prefix_block_size=getattr(p, "prefix_block_size", 0))
 
     @property
     def num_sequences(self) -> int:
@@ -154,7 +163,8 @@ class DraftEngine:
         ids = [u.seq_id for u in req.seqs]
         try:
             self._stage_hidden(req.seqs)
-            live = [r for r, u in enumerate(req.seqs) if self._apply(u)]
+            lost: list[int] = []
+            live = [r for r, u in enumerate(req.seqs) if self._apply(u, lost)]
             evicted = self._evict()
             live = [r for r in live if ids[r] not in evicted]
             trees = TreeBatch.padding(len(ids), self.env.num_nodes)
@@ -179,10 +189,10 @@ class DraftEngine:
             st.tree = hits[r] if r in hits else (rows_t[r], rows_p[r])
             st.cand_step, st.cands = None, []
         live_set = set(live)
-        resync = [s for r, s in enumerate(ids) if r not in live_set]
+        resync = [s for r, s in enumerate(ids) if r not in live_set and s not in lost]
         if resync:
             log.debug("step %d: resync %s", req.step_id, resync)
-        resp = SpecResponse(req.step_id, ids, trees, resync)
+        resp = SpecResponse(req.step_id, ids, trees, resync, lost)
         took = (time.time_ns() - t0) / 1e6
         if took > SLOW_STEP_MS:
             self._slow += 1
@@ -274,15 +284,23 @@ class DraftEngine:
         for u, part in zip(raw, out.split([u.hidden.shape[0] for u in raw])):
             u.hidden = part
 
-    def _apply(self, u: SeqUpdate) -> bool:
-        """Bring one sequence up to date; False if it must resync."""
+    def _apply(self, u: SeqUpdate, lost: list[int]) -> bool:
+        """Bring one sequence up to date; False if it must resync, or (its id added to
+        lost) if its cached prefix is not here."""
         if u.full:
             self.release([u.seq_id])
             st = self._seqs[u.seq_id] = _SeqState(
                 list(u.new_tokens),
                 sampling=RowSampling(u.sampling, u.rejection) if u.sampling else None)
-            self.proposer.update(u.seq_id, st.tokens, len(st.tokens), [], u.hidden)
-            return True
+            if not u.cached_len:
+                self.proposer.update(u.seq_id, st.tokens, len(st.tokens), [], u.hidden)
+                return True
+            take = getattr(self.proposer, "take_prefix", None)
+            if take is not None and take(u.seq_id, st.tokens, u.cached_len, u.hidden):
+                return True
+            self.release([u.seq_id])
+            lost.append(u.seq_id)
+            return False
         st = self._seqs.get(u.seq_id)
         if st is None or len(st.tokens) + len(u.new_tokens) != u.committed_len:
             self.release([u.seq_id])

@@ -20,13 +20,13 @@ units have draft KV. One step over the batch:
    drafter replays a graph made for that depth (the draft model and EAGLE-3 expand
    only that many levels; DFlash takes the LM head on that many block positions).
 
-Prefix caching, for a drafter whose units are tokens alone (``prefix_tokens``: the draft
-model): a sequence holding no pages starts from the cached pages of its tokens' longest
-cached prefix (at least the newest unit left to forward), and its pages join the cache
-once full below ``kv_len`` (common/runtime/prefix_cache.py). A unit's KV is then shared,
-so going back over it (``rewind``) copies its page first. EAGLE-3 and DFlash units carry
-the target's features, which a cached prefix on the verify service does not send: they
-cache nothing.
+Prefix caching, for a drafter whose units' KV its tokens decide (``prefix_tokens``): a
+sequence holding no pages starts from the cached pages of its tokens' longest cached
+prefix (at least the newest unit left to forward), and its pages join the cache once
+full below ``kv_len`` (common/runtime/prefix_cache.py). A unit's KV is then shared, so
+going back over it (``rewind``) copies its page first. EAGLE-3 and DFlash units also
+carry the target's features, which depend on the tokens too: they cache them with the
+pages (draft_service/feature_drafter.py).
 
 A batch with a sampling row drafts it with the request's seeded noise
 (treespec.common.spec.sampling.draft_scores through tree_build.Expansion). The graphs:

@@ -69,6 +69,11 @@ class Proposer(Protocol):
     # instrument, whose outcomes are known)
     # optional: projection, a [width, layers * hidden] tensor: the proposer's first use
     # of hidden states is x @ projection.T, and it takes them either way
+    # optional: take_prefix(seq_id, tokens, cached_len, hidden) -> bool, for a full
+    # update whose first cached_len tokens' hidden states the verify does not have (it
+    # reused their cached KV): start from the proposer's own cached state of them, hidden
+    # holding the rows of tokens[cached_len + 1:]; False when it has none (the engine then
+    # reports the sequence lost_prefix)
 
     @classmethod
     def from_config(cls, cfg: DraftConfig) -> Proposer: ...
