@@ -109,6 +109,9 @@ class DraftLink:
     def release(self, seq_ids: list[int]) -> None:
         self.sync.release(seq_ids)
 
+    def prefix_held(self, keys: list[bytes]) -> int:
+        return self.sync.prefix_held(keys) if self.ready else 0
+
     async def idle(self) -> None:
         """Send what ended as a request of no sequences. Nothing waits for its answer:
         the draft takes requests in order, so the next step's request queues behind it
@@ -235,6 +238,7 @@ class DraftLink:
         else:
             self._outstanding = None
             self.sync.resync(list(msg.resync))
+            self.sync.lose(list(msg.lost_prefix))
             if self._caught is not None:
                 _settle(self._caught, None)
 
@@ -420,6 +424,7 @@ class DraftLink:
             return Drafted(None, "invalid_proposal", step_id=step, stamps=stamps,
                            hidden_bytes=out.hidden_bytes)
         self.sync.resync(resp.resync)
+        self.sync.lose(resp.lost_prefix)
         trees, syncing = resp.trees, set(out.syncing)
         if not self.sync.rejection:         # coupled acceptance never reads q
             trees.q_ids = trees.q_probs = None

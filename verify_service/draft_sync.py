@@ -33,10 +33,22 @@ the verify's event loop), so a prompt has crossed about when its prefill ends.
 A step's own request leaves such sequences out (``syncing``): the draft's catch-up over
 them never delays a step's answer. Example: a 2,048-token prompt prefilled in chunks of
 512 crosses in four catch-ups of 512 rows, one after each chunk's forward.
+
+Prefix caching: a sequence that reused the verify's cached KV of its first
+``hidden_from`` tokens has no hidden states of them; its full update says so
+(``cached_len``) and carries rows from new_tokens[hidden_from + 1] on, the draft taking
+the prefix's state from its own cache. The verify reuses no more of a prefix than the
+draft holds: ``prefix_held`` counts the leading page keys whose states this connection
+has sent in full (a sequence's keys, once the draft holds the states of every token
+whose KV is written). A draft that no longer holds a prefix it was told to take (evicted,
+restarted) answers the sequence ``lost_prefix``: it runs plain from then on (the states
+exist nowhere), and its keys are no longer counted as held, so the next request with
+that prefix prefills it and both caches have it again.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -59,6 +71,8 @@ MAX_HIDDEN_BYTES = 8 << 20
 # a prompt of more rows than this crosses in catch-up requests of its own, as it is
 # prefilled; a shorter one goes with its first step, which waits for it
 CATCH_UP_FROM = 64
+# page keys whose states a connection remembers having sent (least recently used go)
+MAX_HELD_KEYS = 1 << 18
 
 
 @dataclass
@@ -152,6 +166,8 @@ class DraftSync:
         self._ahead_rows: dict[int, list[tuple[tuple[int, ...], int]]] = {}
         self._hits: dict[int, _Hits] = {}
         self.price = AheadPrice()
+        self._held: OrderedDict[bytes, None] = OrderedDict()   # page keys the draft has
+        self._lost: set[int] = set()        # sequences the draft answered lost_prefix
 
     def reset(self, shared: SharedBuffer | None = None,
               projection: torch.Tensor | None = None) -> None:
@@ -163,6 +179,8 @@ class DraftSync:
         self.take_ahead(None)
         self._hits.clear()
         self.price = AheadPrice()
+        self._held.clear()
+        self._lost.clear()
         self.use_shared(shared)
         self.projection = projection
 
@@ -217,13 +235,39 @@ class DraftSync:
     def catching_up(self, s: Sequence) -> bool:
         """Whether s's prompt crosses in catch-ups: it has not all crossed, and it began
         so, with more than CATCH_UP_FROM rows to cross (counting those its prefill has yet
-        to make)."""
+        to make; none of a reused prefix)."""
         c, prompt = self._cursors.get(s.seq_id), len(s.req.prompt_ids)
         if s.hidden is None or (c is not None and c.sent >= prompt):
             return False
         if c is not None and c.sent:
             return c.catching_up
-        return max(len(s.tokens), prompt + 1) > CATCH_UP_FROM
+        return max(len(s.tokens), prompt + 1) - s.hidden_from > CATCH_UP_FROM
+
+    def prefix_held(self, keys: list[bytes]) -> int:
+        """How many of these leading page keys the draft holds the states of."""
+        n = 0
+        for k in keys:
+            if k not in self._held:
+                break
+            self._held.move_to_end(k)
+            n += 1
+        return n
+
+    def lose(self, seq_ids: list[int]) -> None:
+        """The draft lacks these sequences' cached prefixes (Proposal.lost_prefix)."""
+        for i in seq_ids:
+            if self._cursors.pop(i, None) is not None:
+                self._lost.add(i)
+
+    def _drop_lost(self, s: Sequence) -> bool:
+        """Whether s was lost: then it runs plain, and its keys count as held no more."""
+        if s.seq_id not in self._lost:
+            return False
+        self._lost.discard(s.seq_id)
+        for k in s.pages.keys:
+            self._held.pop(k, None)
+        s.hidden = None
+        return True
 
     def _row_bytes(self, s: Sequence) -> tuple[torch.Tensor | None, int]:
         """The projection s's rows leave through (if any), and a row's bytes on the way."""
@@ -245,18 +289,20 @@ class DraftSync:
             sent, end = self._sent(s), len(s.tokens)
             out.fresh |= sent < len(s.req.prompt_ids)
             part = None
+            if self._drop_lost(s):
+                out.syncing.append(i)               # plain from now on
+                continue
             if hidden and s.hidden is not None:
                 if self.catching_up(s):
                     out.syncing.append(i)           # crossing in catch-ups: not waited for
                     continue
-                part, proj, row_bytes = self._rows(s, sent, end, budget)
-                end = sent + (0 if part is None else part.shape[0])
+                part, proj, row_bytes, end = self._rows(s, sent, end, budget)
                 if end == sent:
                     out.syncing.append(i)           # nothing of it fits this step
                     continue
                 if end < len(s.tokens):
                     out.syncing.append(i)
-                budget -= part.shape[0] * row_bytes
+                budget -= 0 if part is None else part.shape[0] * row_bytes
             tried, hit = self._match(s, c, end)
             if hit is not None:
                 out.hits[i] = hit
@@ -275,7 +321,8 @@ class DraftSync:
         ones included: as many rows as their prefill has made), at most what the transport
         carries in one request (the shared buffer's size, or MAX_HIDDEN_BYTES across hosts); sent
         without waiting, its trees unused. None when nothing is owed."""
-        todo = [(i, s) for i, s in enumerate(seqs) if self.catching_up(s)]
+        todo = [(i, s) for i, s in enumerate(seqs)
+                if not self._drop_lost(s) and self.catching_up(s)]
         if not todo:
             return None
         out = self._outgoing({}, 0)
@@ -285,15 +332,15 @@ class DraftSync:
         proj = None
         for i, s in todo:
             sent = self._sent(s)
-            part, proj, row_bytes = self._rows(s, sent, min(len(s.tokens), s.hidden.len + 1),
-                                               budget)
+            part, proj, row_bytes, end = self._rows(
+                s, sent, min(len(s.tokens), s.hidden_from + s.hidden.len + 1), budget)
             if part is None:
                 continue
             budget -= part.shape[0] * row_bytes
             out.fresh = True
             out.syncing.append(i)
-            parts.append((self._add(out, i, s, self._cursors.get(s.seq_id),
-                                    sent + part.shape[0], None, False), part))
+            parts.append((self._add(out, i, s, self._cursors.get(s.seq_id), end, None, False),
+                          part))
         if not parts:
             return None
         self._attach(out, parts, proj, full - budget)
@@ -305,12 +352,15 @@ class DraftSync:
                                     max_depth=depth), [], [], [])
 
     def _rows(self, s: Sequence, sent: int, end: int, budget: int
-              ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None, int, int]:
         """s's device rows from sent towards end, as many as budget bytes take (None:
-        none), the projection they leave through (if any) and a row's bytes on the way."""
+        none), the projection they leave through (if any), a row's bytes on the way and
+        the committed tokens the draft holds with them (a full update naming a reused
+        prefix brings its tokens with no rows)."""
         proj, row_bytes = self._row_bytes(s)
-        end = min(end, sent + budget // row_bytes)
-        return (update_rows(s, sent, end) if end > sent else None), proj, row_bytes
+        first = sent or (s.hidden_from + 1 if s.hidden_from else 0)   # the first row's token
+        end = max(first, min(end, first + budget // row_bytes))
+        return (update_rows(s, sent, end) if end > first else None), proj, row_bytes, end
 
     def _add(self, out: Outgoing, i: int, s: Sequence, c: _Cursor | None, end: int,
              hit: int | None, wants: bool) -> SeqUpdate:
@@ -325,7 +375,8 @@ class DraftSync:
             sampling=s.sampling if sent == 0 and not s.sampling.greedy else None,
             rejection=self.rejection,
             lookahead_hit=0 if hit is None else hit % self.lookahead + 1,
-            lookahead=wants)
+            lookahead=wants, cached_len=s.hidden_from if sent == 0 and s.hidden is not None
+            else 0)
         out.request.seqs.append(u)
         return u
 
@@ -343,8 +394,14 @@ class DraftSync:
         """out left (the draft may have applied it, answer or not)."""
         self._released = []
         for i, end in zip(out.rows, out.ends):
-            self._cursors[seqs[i].seq_id] = _Cursor(end, out.request.step_id,
-                                                    out.catching_up)
+            s = seqs[i]
+            self._cursors[s.seq_id] = _Cursor(end, out.request.step_id, out.catching_up)
+            if s.hidden is not None and end > s.pages.kv_len:  # every state the KV has
+                for k in s.pages.keys:
+                    self._held[k] = None
+                    self._held.move_to_end(k)
+                while len(self._held) > MAX_HELD_KEYS:
+                    self._held.popitem(last=False)
 
     def resync(self, seq_ids: list[int]) -> None:
         """The draft lost these: their next update is full."""
@@ -359,17 +416,21 @@ class DraftSync:
         """These ended; the draft hears it with the next request."""
         for i in seq_ids:
             self._hits.pop(i, None)
+            self._lost.discard(i)
             if self._cursors.pop(i, None) is not None:
                 self._released.append(i)
 
 
 def update_rows(seq: Sequence, sent: int, end: int) -> torch.Tensor:
     """[end - sent, C] device rows for an update that brings a draft holding ``sent``
-    of the sequence's tokens up to ``end`` of them."""
-    hidden = seq.hidden.rows
-    if sent == 0:
+    of the sequence's tokens up to ``end`` of them (a full update naming a reused prefix
+    of hidden_from tokens: [end - hidden_from - 1, C], from the state of token
+    hidden_from on)."""
+    hidden, base = seq.hidden.rows, seq.hidden_from
+    if sent == 0 and base == 0:
         return torch.cat([torch.zeros_like(hidden[:1]), hidden[:end - 1]])
-    return hidden[sent - 1:end - 1]
+    lo = max(sent, base + 1)
+    return hidden[lo - 1 - base:end - 1 - base]
 
 
 def to_host(parts: list[torch.Tensor], place, proj: torch.Tensor | None = None

@@ -75,6 +75,11 @@ class Drafter(Protocol):
     def release(self, seq_ids: list[int]) -> None:
         """These sequences ended; the draft may forget them."""
 
+    def prefix_held(self, keys: list[bytes]) -> int:
+        """How many of these leading prefix-cache page keys the draft holds its own
+        state of (asked only for a drafter that reads hidden states: a sequence reuses no
+        more of a cached prefix, whose states it does not have)."""
+
     async def catch_up(self, seqs: list[Sequence]) -> None:
         """Send, without waiting, the target hidden states the draft lacks of prompts
         still crossing (prefilling ones as far as prefilled); only called for a drafter

@@ -14,8 +14,9 @@ request starts from the KV pages of its prompt's longest cached prefix (full pag
 least the last prompt token left to prefill) and prefills the rest; each sequence's pages
 join the cache once full and committed (prompt pages after prefill, generated ones as
 they fill), and stay cached after it ends until their space is needed. A sequence whose
-drafter reads the target's hidden states (EAGLE-3, DFlash) prefills its whole prompt: a
-cached prefix has none to send.
+drafter reads the target's hidden states (EAGLE-3, DFlash) reuses only as much of a
+cached prefix as the draft holds its own state of (``Drafter.prefix_held``): the draft
+takes that prefix from its cache, and only the states of the rest cross.
 
 The draft is reached through a ``Drafter`` (verify_service/drafter.py); the engine
 never sees its carrier. All state is touched only on the event loop; compute runs
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter, deque
 
@@ -77,7 +79,6 @@ class VerifyEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
-        self._said_no_reuse = False
 
     @property
     def kv_pages_used(self) -> int:
@@ -210,33 +211,32 @@ class VerifyEngine:
                 break
             seq = self.waiting[0]
             need = self._pages_for(seq.req)
-            reuse = self._reuses(seq)
-            hit = self.cache.cached_prefix(seq.pages, seq.tokens) if reuse else []
+            hit = self.cache.cached_prefix(seq.pages, seq.tokens)
+            if hit and seq.speculative and self.verifier.capture_layers:
+                hit = hit[:self._draft_held(seq, len(hit))]
             taken = self.cache.prefix.unheld(hit) if hit else 0    # cached pages it would hold
             if need - len(hit) + taken > self.cache.blocks.num_free:
                 self._limited("--num-blocks", f"{self.cache.blocks.num_free} of "
                               f"{self.cache.blocks.num_blocks} KV pages are free")
                 break
             self.waiting.popleft()
-            if reuse:
+            if self.cache.prefix is not None:
                 seq.stats.cached_tokens = self.cache.take_prefix(seq.pages, hit, len(seq.tokens))
             self.cache.reserve(seq.pages, need * self.cache.block_size)
             # running from here on, so a failed prefill is reaped (pages back, clients told)
             self.running.append(seq)
 
-    def _reuses(self, seq: Sequence) -> bool:
-        """Whether seq may start from a cached prefix: not when its drafter reads the
-        target's hidden states of every prompt token (a cached prefix has none)."""
-        if self.cache.prefix is None:
-            return False
-        if seq.speculative and self.verifier.capture_layers:
-            if not self._said_no_reuse:
-                self._said_no_reuse = True
-                log.info("prefix caching: sequences the draft speculates on prefill their "
-                         "whole prompt (the drafter reads the target's hidden states, which "
-                         "a cached prefix does not have)")
-            return False
-        return True
+    def _draft_held(self, seq: Sequence, pages: int) -> int:
+        """How many of seq's first cached pages it may reuse when its drafter reads the
+        target's hidden states (a reused prefix has none): those whose states the draft
+        holds in its own prefix cache, ending on a page boundary of both services."""
+        info = self.link.info
+        draft_bs = info.prefix_block_size if info is not None else 0
+        if not draft_bs:
+            return 0
+        bs = self.cache.block_size
+        whole = math.lcm(bs, draft_bs) // bs
+        return self.link.prefix_held(seq.pages.keys[:pages]) // whole * whole
 
     async def _prefill(self) -> None:
         """One forward over the next chunks of the prompts being prefilled, oldest first,
@@ -261,10 +261,10 @@ class VerifyEngine:
         done = []
         for i, (seq, chunk) in enumerate(chunks):
             rows = feats[i] if feats is not None and seq.speculative else None
-            if rows is None or seq.stats.cached_tokens:   # a cached prefix: no rows
+            if rows is None:
                 seq.hidden = None
-            elif seq.pages.kv_len == len(chunk):       # its first chunk
-                seq.hidden = RowBuffer(rows)
+            elif seq.pages.kv_len - len(chunk) == seq.stats.cached_tokens:   # its first
+                seq.hidden, seq.hidden_from = RowBuffer(rows), seq.stats.cached_tokens
             elif seq.hidden is not None:
                 seq.hidden.append(rows)
             self.cache.register(seq.pages, seq.tokens)

@@ -34,9 +34,11 @@ class Sequence:
     aborted: bool = False             # cut by the server's stop, not by its client
     error: str | None = None          # set when the engine failed this sequence
     accepted_path: list[int] = field(default_factory=list)  # nodes of its last tree
-    # Target hidden states [kv_len, C] of every token whose KV is written, kept on
-    # the device while a drafter reads them (EAGLE-3); None otherwise.
+    # Target hidden states [kv_len - hidden_from, C] of every token whose KV is written
+    # from hidden_from on (a reused cached prefix has none), kept on the device while a
+    # drafter reads them (EAGLE-3, DFlash); None otherwise.
     hidden: "RowBuffer | None" = None
+    hidden_from: int = 0
 
     def __post_init__(self) -> None:
         self.tokens = list(self.req.prompt_ids)
