@@ -1,6 +1,7 @@
 """A bounded soak on loopback: 500 concurrent streams (two rounds of 250) against a
 verify service whose draft model (a `treespec draft` process) is killed and
-restarted on the same port every second or so, with a fifth of the streams cancelled
+restarted on the same port while they run (early in each round, then a second after
+each restart: every round sees a kill), with a fifth of the streams cancelled
 by their clients midway. Every stream that finishes carries plain decode's tokens,
 none is lost, the verify service holds no KV page after each round and its memory
 does not grow from the first round to the second; then, with the draft left alone,
@@ -9,6 +10,7 @@ a last round leaves the draft holding no sequence and no page either."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import random
 import time
@@ -60,19 +62,31 @@ def test_soak_with_a_draft_that_keeps_dying(target_dir, draft_dir):
             async with AsyncTreespecClient(addr) as c:
                 want = [(await c.generate(prompt_ids=p, max_tokens=40, ignore_eos=True,
                                           no_speculation=True)).token_ids for p in PROMPTS]
-                done = asyncio.Event()
 
-                async def chaos():
-                    kills, wait = 0, 0.3            # the first kill early: streams are short
-                    while not done.is_set():
-                        await asyncio.sleep(wait)
+                async def chaos(round_over: asyncio.Event) -> int:
+                    """Kills the draft 0.3 s into a round (early: streams are short), then
+                    a second after each restart, until the round's streams have ended;
+                    returns with a draft running again, having counted only the kills that
+                    came while streams ran. Tied to the round, not to the clock: however
+                    fast the streams go (or slow a restart is), every round sees one."""
+                    kills, wait = 0, 0.3
+                    while True:
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(round_over.wait(), wait)
+                        if round_over.is_set():
+                            return kills
                         wait = 1.0
                         holder["draft"].proc.kill()
                         holder["draft"].stop(1)
                         kills += 1
                         holder["draft"] = await asyncio.to_thread(start_draft, port,
                                                                   draft_dir, mport)
-                    return kills
+
+                async def connected():           # a (restarted) draft, left alone, connects
+                    for _ in range(200):
+                        if engine.link.ready:
+                            break
+                        await asyncio.sleep(0.05)
 
                 async def stream(i: int):
                     p = i % len(PROMPTS)
@@ -95,22 +109,21 @@ def test_soak_with_a_draft_that_keeps_dying(target_dir, draft_dir):
                         await asyncio.sleep(0.05)
                     return engine.kv_pages_used
 
-                killer = asyncio.create_task(chaos())
                 t0 = time.monotonic()
-                results, pages, rss = [], [], []
+                results, pages, rss, kills = [], [], [], 0
                 for _ in range(ROUNDS):
+                    await connected()            # each round starts with a live draft
+                    round_over = asyncio.Event()
+                    killer = asyncio.create_task(chaos(round_over))
                     results += await asyncio.gather(*(stream(i) for i in range(STREAMS)))
+                    round_over.set()
+                    kills += await killer
                     pages.append(await settle())
                     gc.collect()
                     rss.append(rss_mb())
-                done.set()
-                kills = await killer
                 took = time.monotonic() - t0
                 fallbacks = dict(engine.fallbacks)
-                for _ in range(200):             # the last draft, left alone, connects
-                    if engine.link.ready:
-                        break
-                    await asyncio.sleep(0.05)
+                await connected()                # the last draft, left alone
                 last = await asyncio.gather(*(stream(i) for i in range(20)))
                 pages.append(await settle())
                 for _ in range(100):             # ended requests reach the draft (idle step)
@@ -134,7 +147,7 @@ def test_soak_with_a_draft_that_keeps_dying(target_dir, draft_dir):
         assert got == want, kind                   # not one wrong token
         if kind == "done":
             assert final.finish_reason == "length"
-    assert kills >= 2, took
+    assert kills >= ROUNDS, took                # a kill mid-streams in every round
     assert any(f is not None and f.stats["draft_tokens"] for *_, f in results)  # it drafted
     assert fallbacks.get("disconnected", 0) > 0, fallbacks                      # and died
     assert sum(r[0] == "done" for r in results) >= len(results) // 2
