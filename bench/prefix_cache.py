@@ -99,7 +99,8 @@ def checkpoints(a: argparse.Namespace) -> tuple[str, str]:
 
 def draft_command(a: argparse.Namespace, model: str | None, flag: list[str]) -> list[str]:
     args = ["draft", "--method", a.method, "--port", "0", "--device", a.device,
-            "--max-sequences", "256", *flag, *(["--model", model] if model else [])]
+            "--max-sequences", "256", *flag, *(["--model", model] if model else []),
+            *(["--target-embeddings", a.model] if a.method in ("eagle3", "dflash") else [])]
     return pinned(1, *args) if a.device == "cpu" else cli_command(*args)
 
 
