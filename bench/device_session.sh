@@ -81,9 +81,11 @@ run)
         prefix)   # prefix caching at the 8B shape: 16 five-turn chats, cache on and off
             timeout "${PREFIX_S:-240}" python3 bench/prefix_cache.py --out "$OUT/prefix_cache.json" \
                 --target-shape qwen3-8b --draft-shape qwen3-0.6b --device cuda \
-                --work /tmp/bw-prefix ${PREFIX_ARGS:-} >>"$log" 2>&1 ;;
+                --work /tmp/bw-prefix ${PREFIX_ARGS:-} >>"$log" 2>&1
+            r=$?; rm -rf /tmp/bw-prefix; (exit $r) ;;   # 17 GB of checkpoints: the disk holds 64 GB
         long) timeout "${LONG_S:-480}" python3 bench/long_prompt.py --out "$OUT/long_prompt.json" \
-                  --work /tmp/bw-long ${LONG_ARGS:-} >>"$log" 2>&1 ;;
+                  --work /tmp/bw-long ${LONG_ARGS:-} >>"$log" 2>&1
+              r=$?; rm -rf /tmp/bw-long; (exit $r) ;;
         sampled) timeout "${SAMPLED_S:-90}" python3 bench/sampled_step.py \
                      --out "$OUT/sampled_step.json" >>"$log" 2>&1 ;;
         profile) timeout "${PROFILE_S:-200}" python3 bench/profile_step.py --out "$OUT" ${PROFILE_ARGS:-} \
