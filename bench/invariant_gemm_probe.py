@@ -1,19 +1,20 @@
 """The batch-invariant GEMM (kernels/triton_gemv.py, invariant=True) on the GPU: which
-one config per Qwen3-8B product serves every row count best, against the default
-path (the skinny kernel up to 16 rows, cuBLAS past), with each config's bits checked.
+configs per Qwen3-8B product serve each row count best without changing a row's bits,
+against the default path (the skinny kernel up to 16 rows, cuBLAS past).
 
     python bench/invariant_gemm_probe.py --out FILE [--rows 1,5,40,320,4160]
         [--write-config kernels/invariant_gemm_configs.json]
+    python bench/invariant_gemm_probe.py --picks-from FILE --write-config ...   # no GPU
 
 Rows: 1 = a plain step at batch 1, 5 = a 4-node verify, 40 / 320 = 5-node trees at
 batch 8 / 64, 4160 = 64-node trees at batch 64. Per product and config: time at every
 row count (a CUDA graph walking weight copies larger than L2, bench/gemv_probe.py's
 graph_ms), whether a row gives the same bits alone and first, middle and last among
-M rows at every M, and which configs give each other's bits (same_bits: such configs
-may serve different row counts). The pick per product: among configs invariant at
-every M, the one whose worst time / default time over the row counts is least. --write-config
-merges the picks into the tuned file under this GPU's name (the invariant backend
-reads it at import).
+M rows at every M, and which configs give each other's bits (same_bits). The picks per
+product (``buckets``): the configs invariant at every M that give the bits of the fastest
+at one row; per row count the fastest of them, so M picks the config and no row's bits
+move. --write-config merges the picks into the tuned file under this GPU's name (the
+invariant backend reads it at import); --picks-from re-derives them from a saved --out.
 """
 
 from __future__ import annotations
@@ -56,12 +57,47 @@ def invariant_rows(run, x: torch.Tensor, w: torch.Tensor, rows: list[int]) -> bo
     return True
 
 
+def buckets(entry: dict, rows: list[int]) -> list[list[int]]:
+    """[max_rows, BM, BN, BK, warps, stages] per row count: the fastest config there among
+    those that are invariant, accurate and give the bits of the fastest at one row (so
+    any M may take any of them); consecutive equal configs merged."""
+    ok = {cfg: c for cfg, c in entry["configs"].items()
+          if c.get("invariant") and c.get("rel_err", 1) < 2e-2}
+    if not ok:
+        return []
+
+    def ms(cfg: str, m: int) -> float:          # int keys in process, str from a file
+        t = ok[cfg]["ms"]
+        return t[m] if m in t else t[str(m)]
+    anchor = min(ok, key=lambda cfg: ms(cfg, rows[0]))
+    same = {frozenset(p) for p in entry["same_bits"]}
+    cls = [cfg for cfg in ok if cfg == anchor or frozenset((cfg, anchor)) in same]
+    out: list[list[int]] = []
+    for m in rows:
+        cfg = json.loads(min(cls, key=lambda c: ms(c, m)).replace("(", "[").replace(")", "]"))
+        if out and out[-1][1:] == cfg:
+            out[-1][0] = m
+        else:
+            out.append([m, *cfg])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default="")
     ap.add_argument("--rows", default="1,5,40,320,4160")
     ap.add_argument("--write-config", default="")
+    ap.add_argument("--picks-from", default="",
+                    help="a saved --out file: write its buckets to --write-config, no GPU")
     a = ap.parse_args()
+    if a.picks_from:
+        res = json.loads(Path(a.picks_from).read_text())
+        picks = {f"{e['N'] // 2 if e['silu'] else e['N']},{e['K']},{int(e['silu'])}":
+                 buckets(e, res["rows"]) for e in res["products"].values()}
+        write_table(a.write_config, res["device"], {k: v for k, v in picks.items() if v})
+        return
+    if not a.out:
+        ap.error("--out is required (unless --picks-from)")
     rows = [int(r) for r in a.rows.split(",")]
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
@@ -102,14 +138,11 @@ def main() -> None:
         entry["same_bits"] = [[a, b] for i, a in enumerate(outs) for b in list(outs)[i + 1:]
                               if torch.equal(outs[a], outs[b])]
         print(f"{pname:8s} same bits: {entry['same_bits']}", flush=True)
-        ok = {cfg: c for cfg, c in entry["configs"].items()
-              if c.get("invariant") and c.get("rel_err", 1) < 2e-2}
-        if ok:
-            best = min(ok, key=lambda cfg: ok[cfg]["worst_ratio"])
-            entry["pick"] = best
-            picks[f"{n_out},{k},{int(silu)}"] = list(json.loads(best.replace("(", "[")
-                                                            .replace(")", "]")))
-            print(f"{pname:8s} pick {best} worst x{ok[best]['worst_ratio']:.2f}; default "
+        got = buckets(entry, rows)
+        if got:
+            entry["pick"] = got
+            picks[f"{n_out},{k},{int(silu)}"] = got
+            print(f"{pname:8s} pick {got}; default "
                   + " ".join(f"{m}:{entry['default_ms'][m] * 1000:.0f}us" for m in rows),
                   flush=True)
         res["products"][pname] = entry
@@ -118,10 +151,14 @@ def main() -> None:
         del ws, xs
         torch.cuda.empty_cache()
     if a.write_config and picks:
-        path = Path(a.write_config)
-        table = json.loads(path.read_text()) if path.exists() else {}
-        table[name] = {**table.get(name, {}), **picks}
-        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        write_table(a.write_config, name, picks)
+
+
+def write_table(path_s: str, device: str, picks: dict) -> None:
+    path = Path(path_s)
+    table = json.loads(path.read_text()) if path.exists() else {}
+    table[device] = {**table.get(device, {}), **picks}
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,11 +21,13 @@ and depend on (N, K) and the row class only. Past 16 rows a product goes to the
 GEMM library unless a measured config says this kernel wins there
 (``supports``).
 
-Batch-invariant mode (``invariant=True``, issue 53): every M takes one config per
-product (``invariant_config``: BM-row tiles, BM tuned with the rest), so a row's K order
-is that of that config's BK whatever M is or where the row sits, and no M goes to the
-GEMM library (whose kernel, tiles and split-K change with M). A tile's rows meet only in
-tl.dot, whose MMA gives each output element its own fixed reduction. Under the
+Batch-invariant mode (``invariant=True``, issue 53): a product's config by M comes from
+a tuned table (``invariant_config``) whose configs for that product were all measured to
+give each other's bits, so a row's result is the same whatever M is or where the row
+sits, and no M goes to the GEMM library (whose kernel, tiles and split-K change with M).
+A tile's rows meet only in tl.dot, whose MMA gives each output element its own fixed
+reduction (on an H100 tiles of 16-128 rows and BK 64-512 gave the same bits for four of
+the 8B shape's five products). Under the
 interpreter tl.dot is numpy's matmul, whose BLAS rounds a row by its place; there each
 tile's products are summed in fp64 and rounded once to fp32 (the order then moves a
 result only where an fp64 sum lies within 2^-29 of an fp32 rounding boundary).
@@ -139,28 +141,29 @@ def pick_config(n: int, k: int, silu: bool, bm: int = 16) -> tuple[int, int, int
 
 
 GROUP_M = 8
-# The invariant mode's (BM, BN, BK, num_warps, num_stages) by GPU name and "N,K,silu"
-# (0/1): one config per product for every row count, so any config keeps a row's bits
-# whatever M is; which one is fastest over 1 to thousands of rows is measured by
-# bench/invariant_gemm_probe.py, which writes this file. Elsewhere: 16-row tiles with
-# the 16-row class's config.
+# The invariant mode's configs by GPU name and "N,K,silu" (0/1): per product, buckets
+# [max_rows, BM, BN, BK, num_warps, num_stages] by ascending max_rows (the last serves
+# every M past it too). A row keeps its bits across buckets only because each product's
+# configs were measured on that GPU to give each other's bits at every M
+# (bench/invariant_gemm_probe.py writes buckets of one such class only). Elsewhere: one
+# config, 16-row tiles with the 16-row class's tile.
 INVARIANT_CONFIGS = Path(__file__).with_name("invariant_gemm_configs.json")
 
 
 @functools.cache
-def _invariant_table(device_name: str) -> dict[str, tuple[int, int, int, int, int]]:
+def _invariant_table(device_name: str) -> dict[str, list[tuple[int, tuple[int, ...]]]]:
     if not INVARIANT_CONFIGS.exists():
         return {}
     table = json.loads(INVARIANT_CONFIGS.read_text()).get(device_name, {})
-    return {key: tuple(cfg) for key, cfg in table.items()}
+    return {key: [(b[0], tuple(b[1:])) for b in buckets] for key, buckets in table.items()}
 
 
-def invariant_config(n: int, k: int, silu: bool, device: torch.device
+def invariant_config(n: int, k: int, silu: bool, device: torch.device, m: int
                      ) -> tuple[int, int, int, int, int]:
     if device.type == "cuda":
-        tuned = _invariant_table(torch.cuda.get_device_name(device)).get(f"{n},{k},{int(silu)}")
-        if tuned:
-            return tuned
+        buckets = _invariant_table(torch.cuda.get_device_name(device)).get(f"{n},{k},{int(silu)}")
+        if buckets:
+            return next((cfg for top, cfg in buckets if m <= top), buckets[-1][1])
     return (ROW_CLASSES[0], *pick_config(n, k, silu, ROW_CLASSES[0]))
 
 
@@ -182,7 +185,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, silu: bool,
     if m == 0:
         return out
     if invariant:
-        bm, bn, bk, warps, stages = config or invariant_config(n_out, k, silu, x.device)
+        bm, bn, bk, warps, stages = config or invariant_config(n_out, k, silu, x.device, m)
     else:
         bm = row_class(m)
         bn, bk, warps, stages = config or pick_config(n_out, k, silu, bm)

@@ -94,6 +94,20 @@ def test_invariant_mode_gives_a_row_the_same_bits_at_any_row_count(dtype, silu):
                                                                     else 2e-2)
 
 
+def test_invariant_config_takes_the_bucket_of_the_row_count(monkeypatch):
+    """The tuned table's buckets by max rows; past the last, the last; an untuned product
+    or a CPU device: the 16-row tile."""
+    table = {"48,200,0": [(5, (16, 32, 128, 4, 4)), (40, (64, 64, 64, 4, 3)),
+                          (320, (128, 64, 64, 4, 3))]}
+    monkeypatch.setattr(gemv, "_invariant_table", lambda name: table)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a GPU")
+    cuda = torch.device("cuda")
+    got = [gemv.invariant_config(48, 200, False, cuda, m)[0] for m in (1, 5, 6, 40, 41, 4160)]
+    assert got == [16, 16, 64, 64, 128, 128]
+    assert gemv.invariant_config(64, 200, False, cuda, 40)[0] == 16
+    assert gemv.invariant_config(48, 200, False, torch.device("cpu"), 40)[0] == 16
+
+
 def test_invariant_backend_routes_every_linear_to_the_kernel(monkeypatch):
     inv = _load("treespec.kernels.triton_invariant")
     seen = []
