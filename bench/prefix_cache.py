@@ -7,17 +7,17 @@ without it (--no-prefix-caching), in one run, on the CPU or on a GPU.
     python bench/prefix_cache.py --out prefix_cache.json --target-shape qwen3-8b
         --draft-shape qwen3-0.6b --device cuda [--work DIR] [--no-plant] [as above]
 
-Per setting, one service pair, the verify with --speculation always so that tokens per
-step measure the drafter, not the controller; both services get the setting's flag. By
-default the shipped tiny pair on the CPU (the verify pinned to core 0, the draft to core
-1, one torch thread each), and prompts of held-out text: the system prompt is the first
---system-tokens tokens of the target's first held-out file, a user message --user-tokens
-tokens of the conversation's own file. With --target-shape: random-weight HF checkpoints
-of those shapes (bench/shapes.py, written under --work once), the target with a planted
-successor map unless --no-plant (its greedy answers survive bf16 reduction orders, so
-"identical" means something; the random draft model is then almost never accepted, so
-tokens per step stay near 1), the services on --device unpinned with bench/e2e_bench.py's
-verify flags, and prompts of random token ids.
+Per setting, one service pair, the verify with --speculation always (the default here) so
+that tokens per step measure the drafter, not the controller (--speculation adaptive: as
+users run it); both services get the setting's flag. By default the shipped tiny pair on
+the CPU (the verify pinned to core 0, the draft to core 1, one torch thread each), and
+prompts of held-out text: the system prompt is the first --system-tokens tokens of the
+target's first held-out file, a user message --user-tokens tokens of the conversation's own
+file. With --target-shape: random-weight HF checkpoints of those shapes (bench/shapes.py,
+written under --work once), the target with a planted successor map unless --no-plant (its
+greedy answers survive bf16 reduction orders, so "identical" means something; the random
+draft model is then almost never accepted, so tokens per step stay near 1), the services on
+--device unpinned with bench/e2e_bench.py's verify flags, and prompts of random token ids.
 
 All conversations run at once, each its turns in order: turn t's prompt is the system
 prompt, then for each turn so far a user message and the answer (--max-tokens greedy
@@ -106,9 +106,10 @@ def draft_command(a: argparse.Namespace, model: str | None, flag: list[str]) -> 
 
 def verify_command(a: argparse.Namespace, model: str, draft: str, flag: list[str]) -> list[str]:
     if a.device != "cpu":
-        return verify_argv(model, a.device, draft, a.conversations, tuple(flag))
+        return verify_argv(model, a.device, draft, a.conversations,
+                           (*flag, "--speculation", a.speculation))
     return pinned(0, "verify", "--model", model, "--draft", draft, "--port", "0", "--device",
-                  "cpu", "--speculation", "always", "--metrics-port", "0",
+                  "cpu", "--speculation", a.speculation, "--metrics-port", "0",
                   "--step-deadline-ms", "10000", "--max-batch", str(a.conversations), *flag)
 
 
@@ -212,6 +213,10 @@ def main() -> None:
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--user-tokens", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--speculation", default="always", choices=["always", "adaptive"],
+                    help="the verify's: always (tokens per step measure the drafter) or "
+                         "adaptive (the default users run: a draft never accepted stops "
+                         "costing steps)")
     a = ap.parse_args()
     if a.target_shape and a.method != "model":
         ap.error("--target-shape builds a draft model: --method model")
