@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from drafters import checkpoints, pages, shape_args
+from drafters import checkpoints, pages, shape_args, target_name
 from inproc_bench import replay_ms
 from treespec.common.spec.sampling import SamplingParams, filter_width
 from treespec.common.spec.tree import envelope_from
@@ -207,7 +207,7 @@ def main() -> None:
             t0 = time.perf_counter()
             prop = PROPOSERS[method].from_config(DraftConfig(
                 method=method, envelope=envelope_from(envelope), model=str(model),
-                target_embeddings=str(work / "target") if method != "model" else None,
+                target_embeddings=str(work / target_name(a)) if method != "model" else None,
                 device=a.device, num_blocks=pages(a)))
             res["rows"][f"{method}:{envelope}:load_s"] = round(time.perf_counter() - t0, 1)
             for b in (int(x) for x in a.batches.split(",")):

@@ -108,8 +108,9 @@ def pages(a: argparse.Namespace) -> int:
 
 def checkpoints(a: argparse.Namespace, work: Path) -> None:
     import torch
-    made = [("target", lambda: shapes.random_hf_model(a.target_shape, a.device,
-                                                      plant=a.target_shape != "tiny")),
+    plant = a.target_shape != "tiny" and not a.no_plant
+    made = [(target_name(a), lambda: shapes.random_hf_model(a.target_shape, a.device,
+                                                             plant=plant)),
             ("draft", lambda: shapes.random_hf_model(a.draft_shape, a.device, seed=2))]
     for name, make in made:
         if not (work / name / "config.json").exists():
@@ -122,6 +123,11 @@ def checkpoints(a: argparse.Namespace, work: Path) -> None:
         shapes.random_eagle3_head(a.target_shape, work / "eagle3")
     if not (work / "dflash" / "config.json").exists():
         shapes.random_dflash(a.target_shape, work / "dflash", a.device)
+
+
+def target_name(a: argparse.Namespace) -> str:
+    """The target checkpoint's folder under --work (planted and plain random weights apart)."""
+    return "target-unplanted" if a.no_plant else "target"
 
 
 def sampling(a: argparse.Namespace) -> dict | None:
@@ -139,6 +145,10 @@ def shape_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--no-plant", action="store_true",
+                    help="plain random target weights (near-tied logits: every row equals plain "
+                         "decode only with bit-exact kernels, e.g. --verify-args "
+                         "'--batch-invariant on')")
     return ap
 
 
@@ -190,11 +200,12 @@ def main() -> None:
     out = Path(a.out)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "target": a.target_shape,
                  "draft": a.draft_shape, "ctx": a.ctx, "max_tokens": a.max_tokens,
+                 "planted_successor_map": a.target_shape != "tiny" and not a.no_plant,
                  "sampling": sampling(a),
                  "plain": {}, "rows": {}, "errors": {}}
     port = free_port()
     v = start("verify", cli_command(
-        "verify", "--model", str(work / "target"), "--port", "0", "--device", a.device,
+        "verify", "--model", str(work / target_name(a)), "--port", "0", "--device", a.device,
         "--max-batch", str(max(batches)), "--num-blocks", str(pages(a)), "--metrics-port", "0",
         "--draft", f"127.0.0.1:{port}", *a.verify_args.split()))
     try:
@@ -259,8 +270,8 @@ def run_config(key: str, method: str, envelope: str, mode: str, port: int, work:
                cont: Path, accept: int) -> dict:
     proposer = method if mode.startswith("random") else f"shadow-replay-instrument:{method}"
     d = start(f"{method}-{envelope}-{mode}",
-              draft_argv(method, envelope, mode, port, work, work / "target", a.device, cont,
-                         pages(a), accept))
+              draft_argv(method, envelope, mode, port, work, work / target_name(a), a.device,
+                         cont, pages(a), accept))
     rows: dict = {}
     try:
         asyncio.run(_connected(v.addr, proposer))

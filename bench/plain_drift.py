@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 
-from drafters import checkpoints, pages, shape_args
+from drafters import checkpoints, pages, shape_args, target_name
 from e2e_bench import start, throughput
 from step_metrics import metrics_url
 from treespec.common.client import AsyncTreespecClient
@@ -55,7 +55,7 @@ def main() -> None:
     rng = random.Random(7)
     prompts = [[rng.randrange(VOCAB) for _ in range(a.ctx)] for _ in range(a.batch)]
     v = start("verify", cli_command(
-        "verify", "--model", str(work / "target"), "--port", "0", "--device", a.device,
+        "verify", "--model", str(work / target_name(a)), "--port", "0", "--device", a.device,
         "--max-batch", "64", "--num-blocks", str(pages(a)), "--metrics-port", "0",
         "--speculation", "off"))
     t0, res = time.monotonic(), {"batch": a.batch, "ctx": a.ctx, "passes": []}
