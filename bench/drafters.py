@@ -3,8 +3,8 @@
     python bench/drafters.py --out bench/results/drafters.json [--batches 1,8,32,64]
         [--configs ngram:chain4,model:tree-small,...] [--modes random,shadow]
 
-One verify service (Qwen3-8B shape, planted successor map) serves every draft in turn
-on one port; per (proposer, envelope, mode) a draft service starts: `treespec draft`
+One verify service (Qwen3-8B shape, random weights; --plant: a planted successor map)
+serves every draft in turn on one port; per (proposer, envelope, mode) a draft service starts: `treespec draft`
 with random weights (mode random: what the drafter costs, accepting almost nothing;
 the draft model is Qwen3-0.6B-shaped, the EAGLE-3 head the published Qwen3-8B one's
 shape with the target's embeddings; random+laK: with --lookahead K), or the shadow
@@ -108,7 +108,7 @@ def pages(a: argparse.Namespace) -> int:
 
 def checkpoints(a: argparse.Namespace, work: Path) -> None:
     import torch
-    plant = a.target_shape != "tiny" and not a.no_plant
+    plant = a.target_shape != "tiny" and a.plant
     made = [(target_name(a), lambda: shapes.random_hf_model(a.target_shape, a.device,
                                                              plant=plant)),
             ("draft", lambda: shapes.random_hf_model(a.draft_shape, a.device, seed=2))]
@@ -127,7 +127,7 @@ def checkpoints(a: argparse.Namespace, work: Path) -> None:
 
 def target_name(a: argparse.Namespace) -> str:
     """The target checkpoint's folder under --work (planted and plain random weights apart)."""
-    return "target-unplanted" if a.no_plant else "target"
+    return "target-planted" if a.plant else "target"
 
 
 def sampling(a: argparse.Namespace) -> dict | None:
@@ -145,10 +145,10 @@ def shape_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--batches", default="1,8,32,64")
-    ap.add_argument("--no-plant", action="store_true",
-                    help="plain random target weights (near-tied logits: every row equals plain "
-                         "decode only with bit-exact kernels, e.g. --verify-args "
-                         "'--batch-invariant on')")
+    ap.add_argument("--plant", action="store_true",
+                    help="plant a successor map in the target (wide greedy margins: rows equal "
+                         "plain decode under any kernels, e.g. --verify-args="
+                         "--batch-invariant=off); default plain random weights, near-tied")
     return ap
 
 
@@ -200,7 +200,7 @@ def main() -> None:
     out = Path(a.out)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "target": a.target_shape,
                  "draft": a.draft_shape, "ctx": a.ctx, "max_tokens": a.max_tokens,
-                 "planted_successor_map": a.target_shape != "tiny" and not a.no_plant,
+                 "planted_successor_map": a.target_shape != "tiny" and a.plant,
                  "sampling": sampling(a),
                  "plain": {}, "rows": {}, "errors": {}}
     port = free_port()

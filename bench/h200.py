@@ -56,10 +56,10 @@ def main() -> None:
     ap.add_argument("--verify-iters", type=int, default=30,
                     help="timed verify steps at each (batch, nodes) of the verify section "
                          "(tests/test_bench_smoke.py's tiny CPU run takes 3)")
-    ap.add_argument("--kernels", default="auto", choices=["auto", "invariant"],
+    ap.add_argument("--kernels", default="invariant", choices=["auto", "invariant"],
                     help="the verify section's and the e2e services' kernels: invariant = one "
                          "reduction order for every batch shape (issue 53; verify "
-                         "--batch-invariant on)")
+                         "--batch-invariant on, its default), auto = the fastest (off)")
     ap.add_argument("--verify-batches", default="1,8", help="the verify section's batches")
     ap.add_argument("--lookahead-hit-rates", default="",
                     help="e2e: also the replay with lookahead at these set hit rates "
@@ -68,9 +68,10 @@ def main() -> None:
                     help="e2e: also the replays with the EMULATED REMOTE DRAFT (A[,B]: each "
                          "draft answer and lookahead takes A + B x rows ms, no compute)")
     ap.add_argument("--work", default="")
-    ap.add_argument("--no-plant", action="store_true",
-                    help="plain random target weights (near-tied logits: bf16 flips "
-                         "argmaxes between decode and verify shapes)")
+    ap.add_argument("--plant", action="store_true",
+                    help="plant a successor map in the target (wide greedy margins: its "
+                         "answers survive any reduction order, e.g. with --kernels auto); "
+                         "default plain random weights, near-tied logits")
     for key, flag in AB_FLAGS.items():
         ap.add_argument(f"--ab-{flag}", dest=f"ab_{key}", action="store_true",
                         help=f"also, at the first batch size: {AB_VARIANTS[key][0]}")
@@ -85,7 +86,7 @@ def main() -> None:
     sections = set(a.sections.split(","))
     work = Path(a.work or tempfile.mkdtemp(prefix="treespec-bench-"))
     out: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "target": a.target_shape,
-                 "planted_successor_map": not a.no_plant,
+                 "planted_successor_map": a.plant,
                  "draft": a.draft_shape, "ctx": a.ctx,
                  "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                  "errors": {}}
@@ -116,7 +117,7 @@ def main() -> None:
         print(f"copy {bw / 1e12:.2f} TB/s, floor {out['floor_ms']:.2f} ms/step", flush=True)
 
     section("floor", floor)
-    hf = shapes.random_hf_model(a.target_shape, a.device, plant=not a.no_plant)
+    hf = shapes.random_hf_model(a.target_shape, a.device, plant=a.plant)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 151936, (1, a.ctx), generator=g).to(dev)
 
@@ -159,7 +160,8 @@ def main() -> None:
         r = run_e2e(str(target_dir), str(draft_dir), a.device, prompts, a.max_tokens,
                     batches, drafting, work, a.placement,
                     [k for k in AB_FLAGS if getattr(a, f"ab_{k}")],
-                    verify_flags=("--batch-invariant", "on") if a.kernels == "invariant" else (),
+                    verify_flags=("--batch-invariant",
+                                  "on" if a.kernels == "invariant" else "off"),
                     hit_rates=[float(h) for h in a.lookahead_hit_rates.split(",") if h],
                     emulated_draft_ms=a.emulated_draft_ms)
         out["emulated_draft_ms"] = a.emulated_draft_ms or None

@@ -5,7 +5,7 @@ without it (--no-prefix-caching), in one run, on the CPU or on a GPU.
         [--conversations 16] [--turns 5] [--system-tokens 1000] [--user-tokens 48]
         [--max-tokens 32] [--method model]
     python bench/prefix_cache.py --out prefix_cache.json --target-shape qwen3-8b
-        --draft-shape qwen3-0.6b --device cuda [--work DIR] [--no-plant] [as above]
+        --draft-shape qwen3-0.6b --device cuda [--work DIR] [--plant] [as above]
 
 Per setting, one service pair, the verify with --speculation always (the default here) so
 that tokens per step measure the drafter, not the controller (--speculation adaptive: as
@@ -14,9 +14,10 @@ the CPU (the verify pinned to core 0, the draft to core 1, one torch thread each
 prompts of held-out text: the system prompt is the first --system-tokens tokens of the
 target's first held-out file, a user message --user-tokens tokens of the conversation's own
 file. With --target-shape: random-weight HF checkpoints of those shapes (bench/shapes.py,
-written under --work once), the target with a planted successor map unless --no-plant (its
-greedy answers survive bf16 reduction orders, so "identical" means something; the random
-draft model is then almost never accepted, so tokens per step stay near 1), the services on
+written under --work once), the target plain random weights (near-tied logits, so
+"identical" holds only with the verify's default bit-exact kernels; --plant: a planted
+successor map whose answers survive any reduction order; the random draft model is almost
+never accepted either way, so tokens per step stay near 1), the services on
 --device unpinned with bench/e2e_bench.py's verify flags, and prompts of random token ids.
 
 All conversations run at once, each its turns in order: turn t's prompt is the system
@@ -82,7 +83,7 @@ def random_chat(a: argparse.Namespace) -> Chat:
 
 def checkpoints(a: argparse.Namespace) -> tuple[str, str]:
     """(target dir, draft dir): random-weight checkpoints under --work, built once."""
-    work, plant = Path(a.work), not a.no_plant
+    work, plant = Path(a.work), a.plant
     target = work / f"target-{a.target_shape}{'-planted' if plant else ''}"
     draft = work / f"draft-{a.draft_shape}"
     for path, shape, seed, planted in ((target, a.target_shape, 0, plant),
@@ -206,8 +207,9 @@ def main() -> None:
     ap.add_argument("--draft-shape", choices=list(shapes.SHAPES), default="qwen3-0.6b")
     ap.add_argument("--work", default="/tmp/treespec-prefix-cache",
                     help="where --target-shape's checkpoints are written (kept: reused)")
-    ap.add_argument("--no-plant", action="store_true",
-                    help="--target-shape: plain random target weights (no successor map)")
+    ap.add_argument("--plant", action="store_true",
+                    help="--target-shape: plant a successor map in the target (wide greedy "
+                         "margins); default plain random weights")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--system-tokens", type=int, default=1000)
@@ -224,7 +226,7 @@ def main() -> None:
         target, draft = checkpoints(a)
         chat, models = random_chat(a), {
             "target": f"random {a.target_shape}", "draft": f"random {a.draft_shape}",
-            "planted_successor_map": not a.no_plant, "prompts": "random token ids"}
+            "planted_successor_map": a.plant, "prompts": "random token ids"}
     else:
         target, draft = str(resolve_model(a.model)), SHIPPED_DRAFTS.get(a.method)
         chat, models = held_out_chat(a), {"target": a.model, "draft": draft,

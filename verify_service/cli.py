@@ -46,9 +46,11 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
                    help="wait for the draft's answer and the device without sleeping (one "
                         "busy core while steps run; default auto: on when the device is CUDA)")
     v.add_argument("--batch-invariant", choices=["on", "off"],
-                   help="kernels whose rows' bits do not depend on the batch: on runs "
-                        "Triton's invariant GEMMs and tree attention where --kernels is "
-                        "auto or triton (the CPU reference always is); default off")
+                   help="kernels whose rows' bits do not depend on the batch, so speculation "
+                        "never changes a token: on (default) runs Triton's invariant GEMMs "
+                        "and tree attention where --kernels is auto or triton (the CPU "
+                        "reference always is); off: the fastest kernels, exact only up to "
+                        "bf16 rounding")
     add_runtime(v)
     add_client_tls(v, "--draft-tls", "--draft-api-key-file")
 
@@ -57,15 +59,15 @@ def config(args: argparse.Namespace):
     """VerifyConfig from parsed flags; ConfigError when it is refused."""
     from treespec.verify_service.config import VerifyConfig
     check_model(args.model)
-    if getattr(args, "batch_invariant", None) == "on" and args.kernels in (None, "auto", "triton"):
-        args.kernels = "invariant"      # treespec.kernels.dispatch.select
+    if getattr(args, "batch_invariant", None) is not None:
+        args.batch_invariant = args.batch_invariant == "on"
     try:
         cfg = VerifyConfig(model=args.model, draft=args.draft, **given(
             args, RUNTIME + ("max_batch", "max_model_len", "prefill_tokens",
                              "step_deadline_ms", "reconnect_s", "draft_socket", "busy_poll",
                              "generation_config", "acceptance", "speculation", "draft_tls_ca",
                              "draft_tls_cert", "draft_tls_key", "draft_api_key_file",
-                             "max_prompt_bytes", "max_waiting")))
+                             "max_prompt_bytes", "max_waiting", "batch_invariant")))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     limit = checkpoint_positions(cfg.model)

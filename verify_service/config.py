@@ -29,6 +29,8 @@ class VerifyConfig(ServiceConfig):
     speculation: str = "adaptive"     # verify_service/controller.py: adaptive, always, off
     busy_poll: str = "auto"           # wait for drafts and the device without sleeping:
                                       # auto (on when the device is CUDA), on, off
+    batch_invariant: bool = True      # a row's bits independent of the batch: Triton's
+                                      # invariant kernels where kernels is auto or triton
     draft_tls_ca: str | None = None   # reach the draft over TLS, trusting this CA
     draft_tls_cert: str | None = None  # and, for mutual TLS, with this certificate
     draft_tls_key: str | None = None
@@ -45,6 +47,13 @@ class VerifyConfig(ServiceConfig):
     def draft_tls(self) -> ClientTLS:
         return ClientTLS(self.draft_tls_ca or None, self.draft_tls_cert or None,
                          self.draft_tls_key or None, flag="--draft-tls")
+
+    @property
+    def target_kernels(self) -> str:
+        """The target's kernel backend (treespec.kernels.dispatch.select): the invariant
+        one unless --batch-invariant off or --kernels reference (invariant anyway)."""
+        return "invariant" if self.batch_invariant and self.kernels in ("auto", "triton") \
+            else self.kernels
 
     def busy(self, device_type: str) -> bool:
         """Whether the engine waits on its event loop without sleeping."""

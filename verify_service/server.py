@@ -66,8 +66,8 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
     defaults = checkpoint_defaults(json.loads(gen.read_text())) \
         if cfg.generation_config == "auto" and gen.exists() else {}
     engine = VerifyEngine(model, cfg.num_blocks, cfg.block_size, cfg.max_batch,
-                          cfg.max_model_len, cfg.prefill_tokens, link=link, kernels=cfg.kernels,
-                          busy_poll=busy, observer=observer, sampling_defaults=defaults,
+                          cfg.max_model_len, cfg.prefill_tokens, link=link,
+                          kernels=cfg.target_kernels, busy_poll=busy, observer=observer, sampling_defaults=defaults,
                           max_waiting=cfg.max_waiting, speculation=cfg.speculation,
                           prefix_caching=cfg.prefix_caching)
     if device.type == "cuda":
