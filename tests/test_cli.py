@@ -72,13 +72,18 @@ def test_verify_defaults_and_every_flag(served, target_dir):
                        "--max-model-len", "500", "--prefill-tokens", "512", "--reconnect-s", "2",
                        "--busy-poll", "off", "--draft-socket", "off", "--max-prompt-bytes",
                        "1000", "--max-waiting", "7", "--reflection", "off", "--acceptance",
-                       "rejection")
+                       "rejection", "--batch-invariant", "off")
     assert cfg == VerifyConfig(model=str(target_dir), draft="10.0.0.2:5001", host="::", port=5000,
                                device="cuda:0", dtype="float16", kernels="triton", max_batch=8,
                                num_blocks=128, block_size=32, step_deadline_ms=25.5,
                                max_model_len=500, prefill_tokens=512, reconnect_s=2.0,
                                busy_poll="off", draft_socket="off", max_prompt_bytes=1000,
-                               max_waiting=7, reflection="off", acceptance="rejection")
+                               max_waiting=7, reflection="off", acceptance="rejection",
+                               batch_invariant=False)
+    # the target's kernels: bit-exact by default, the fastest only when asked
+    assert cfg.target_kernels == "triton"
+    assert VerifyConfig(model="m").target_kernels == "invariant"
+    assert VerifyConfig(model="m", kernels="reference").target_kernels == "reference"
     assert not cfg.busy("cuda") and VerifyConfig(model="m").busy("cuda")
     assert not VerifyConfig(model="m").busy("cpu") and VerifyConfig(model="m",
                                                                     busy_poll="on").busy("cpu")
