@@ -200,6 +200,9 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
     sets, at = {}, 0
     for b in batches:
         sets[b], at = prompts[at:at + b], at + b
+    big = max(batches)
+    if big > batches[0]:      # the first batch's first prompt also first and last in the largest
+        sets[big] = [sets[batches[0]][0], *sets[big][1:-1], sets[batches[0]][0]]
     # 1. plain decode through the verify service (no draft): the baseline.
     v = start("verify", verify_argv(target, device, None, max(batches), verify_flags))
     plain: dict[int, list[list[int]]] = {}
@@ -212,6 +215,11 @@ def run_e2e(target: str, draft: str, device: str, prompts: list[list[int]], max_
             print(f"plain b={b}: {r['tok_s']:.1f} tok/s", flush=True)
     finally:
         v.stop()
+    if big > batches[0]:      # plain decode itself batch-invariant: alone (or in the first
+        alone = plain[batches[0]][0]            # batch) = first and last among the largest
+        res["alone_equals_batch"] = plain[big][0] == alone == plain[big][-1]
+        print(f"plain b={batches[0]} first prompt = its copies first and last at b={big}: "
+              f"{res['alone_equals_batch']}", flush=True)
     # 2. every drafted token wrong (corrupt 1.0): each token is the bonus of a
     #    [root + 4] verify forward. Its output is the greedy continuation as the
     #    verify path computes it at this batch shape, which the replay proposes in 3:
