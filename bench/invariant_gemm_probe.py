@@ -94,7 +94,8 @@ def main() -> None:
         res = json.loads(Path(a.picks_from).read_text())
         picks = {f"{e['N'] // 2 if e['silu'] else e['N']},{e['K']},{int(e['silu'])}":
                  buckets(e, res["rows"]) for e in res["products"].values()}
-        write_table(a.write_config, res["device"], {k: v for k, v in picks.items() if v})
+        write_table(a.write_config, res["device"], {k: v for k, v in picks.items() if v},
+                    res.get("arch", "sm_90"))       # runs before the arch was saved: H100s
         return
     if not a.out:
         ap.error("--out is required (unless --picks-from)")
@@ -102,7 +103,8 @@ def main() -> None:
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     torch.manual_seed(0)
-    res: dict = {"device": name, "rows": rows, "products": {}}
+    res: dict = {"device": name, "arch": "sm_{}{}".format(*torch.cuda.get_device_capability(dev)),
+                 "rows": rows, "products": {}}
     picks: dict[str, list[int]] = {}
     for pname, (n, k, silu) in SHAPES["8b"].items():
         copies = max(2, -(-600_000_000 // (n * k * 2)))
@@ -151,13 +153,16 @@ def main() -> None:
         del ws, xs
         torch.cuda.empty_cache()
     if a.write_config and picks:
-        write_table(a.write_config, name, picks)
+        write_table(a.write_config, name, picks, res["arch"])
 
 
-def write_table(path_s: str, device: str, picks: dict) -> None:
+def write_table(path_s: str, device: str, picks: dict, arch: str) -> None:
+    """picks under the GPU's name; the first GPU tuned of an architecture also serves the
+    others of it (arch, e.g. sm_90, names it)."""
     path = Path(path_s)
     table = json.loads(path.read_text()) if path.exists() else {}
     table[device] = {**table.get(device, {}), **picks}
+    table.setdefault(arch, device)
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
 
 

@@ -145,23 +145,28 @@ GROUP_M = 8
 # [max_rows, BM, BN, BK, num_warps, num_stages] by ascending max_rows (the last serves
 # every M past it too). A row keeps its bits across buckets only because each product's
 # configs were measured on that GPU to give each other's bits at every M
-# (bench/invariant_gemm_probe.py writes buckets of one such class only). Elsewhere: one
-# config, 16-row tiles with the 16-row class's tile.
+# (bench/invariant_gemm_probe.py writes buckets of one such class only). A GPU not named
+# there takes the table its architecture names ("sm_90": a name): the same configs
+# compile to the same code for one architecture, so they keep the same bits. Elsewhere:
+# one config, 16-row tiles with the 16-row class's tile.
 INVARIANT_CONFIGS = Path(__file__).with_name("invariant_gemm_configs.json")
 
 
 @functools.cache
-def _invariant_table(device_name: str) -> dict[str, list[tuple[int, tuple[int, ...]]]]:
+def _invariant_table(device_name: str, arch: str) -> dict[str, list[tuple[int, tuple[int, ...]]]]:
     if not INVARIANT_CONFIGS.exists():
         return {}
-    table = json.loads(INVARIANT_CONFIGS.read_text()).get(device_name, {})
+    tables = json.loads(INVARIANT_CONFIGS.read_text())
+    table = tables.get(device_name) or tables.get(tables.get(arch, ""), {})
     return {key: [(b[0], tuple(b[1:])) for b in buckets] for key, buckets in table.items()}
 
 
 def invariant_config(n: int, k: int, silu: bool, device: torch.device, m: int
                      ) -> tuple[int, int, int, int, int]:
     if device.type == "cuda":
-        buckets = _invariant_table(torch.cuda.get_device_name(device)).get(f"{n},{k},{int(silu)}")
+        arch = "sm_{}{}".format(*torch.cuda.get_device_capability(device))
+        buckets = _invariant_table(torch.cuda.get_device_name(device), arch).get(
+            f"{n},{k},{int(silu)}")
         if buckets:
             return next((cfg for top, cfg in buckets if m <= top), buckets[-1][1])
     return (ROW_CLASSES[0], *pick_config(n, k, silu, ROW_CLASSES[0]))

@@ -3,6 +3,7 @@ row's output does not depend on how many rows came with it (interpreter on CPU).
 
 from __future__ import annotations
 
+import json
 import pytest
 import torch
 import torch.nn.functional as F
@@ -99,13 +100,32 @@ def test_invariant_config_takes_the_bucket_of_the_row_count(monkeypatch):
     or a CPU device: the 16-row tile."""
     table = {"48,200,0": [(5, (16, 32, 128, 4, 4)), (40, (64, 64, 64, 4, 3)),
                           (320, (128, 64, 64, 4, 3))]}
-    monkeypatch.setattr(gemv, "_invariant_table", lambda name: table)
+    monkeypatch.setattr(gemv, "_invariant_table", lambda name, arch: table)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
     cuda = torch.device("cuda")
     got = [gemv.invariant_config(48, 200, False, cuda, m)[0] for m in (1, 5, 6, 40, 41, 4160)]
     assert got == [16, 16, 64, 64, 128, 128]
     assert gemv.invariant_config(64, 200, False, cuda, 40)[0] == 16
     assert gemv.invariant_config(48, 200, False, torch.device("cpu"), 40)[0] == 16
+
+
+def test_an_untuned_gpu_takes_its_architecture_s_table(monkeypatch, tmp_path):
+    """A GPU not in the file uses the table its architecture names (the same configs
+    compile to the same code there); another architecture gets none."""
+    f = tmp_path / "configs.json"
+    f.write_text(json.dumps({"GPU A": {"48,200,0": [[5, 16, 32, 128, 4, 4]]},
+                             "sm_90": "GPU A"}))
+    monkeypatch.setattr(gemv, "INVARIANT_CONFIGS", f)
+    gemv._invariant_table.cache_clear()
+    try:
+        assert gemv._invariant_table("GPU A", "sm_80")["48,200,0"] == [(5, (16, 32, 128, 4, 4))]
+        assert gemv._invariant_table("GPU B", "sm_90") == gemv._invariant_table("GPU A", "sm_80")
+        assert gemv._invariant_table("GPU B", "sm_80") == {}
+    finally:
+        gemv._invariant_table.cache_clear()
+    shipped = json.loads(gemv.INVARIANT_CONFIGS.read_text())
+    assert shipped["sm_90"] in shipped          # the H200 takes the H100's table
 
 
 def test_invariant_backend_routes_every_linear_to_the_kernel(monkeypatch):
