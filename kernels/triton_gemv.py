@@ -161,12 +161,20 @@ def _invariant_table(device_name: str, arch: str) -> dict[str, list[tuple[int, t
     return {key: [(b[0], tuple(b[1:])) for b in buckets] for key, buckets in table.items()}
 
 
+def _device_table(device: torch.device) -> dict[str, list[tuple[int, tuple[int, ...]]]]:
+    arch = "sm_{}{}".format(*torch.cuda.get_device_capability(device))
+    return _invariant_table(torch.cuda.get_device_name(device), arch)
+
+
+def invariant_tuned(device: torch.device) -> bool:
+    """Whether the invariant GEMM has tuned buckets for this CUDA device."""
+    return bool(_device_table(device))
+
+
 def invariant_config(n: int, k: int, silu: bool, device: torch.device, m: int
                      ) -> tuple[int, int, int, int, int]:
     if device.type == "cuda":
-        arch = "sm_{}{}".format(*torch.cuda.get_device_capability(device))
-        buckets = _invariant_table(torch.cuda.get_device_name(device), arch).get(
-            f"{n},{k},{int(silu)}")
+        buckets = _device_table(device).get(f"{n},{k},{int(silu)}")
         if buckets:
             return next((cfg for top, cfg in buckets if m <= top), buckets[-1][1])
     return (ROW_CLASSES[0], *pick_config(n, k, silu, ROW_CLASSES[0]))

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from treespec.common.runtime.devices import bind_device, pick_device, pick_dtype
+from treespec.kernels.availability import triton_available
 from treespec.common.serving.grpc_server import run_server, start_server
 from treespec.common.model.paths import resolve_model
 from treespec.common.model.qwen3 import Qwen3Model
@@ -49,6 +50,19 @@ def build_observer(cfg: VerifyConfig, tracer_provider: TracerProvider | None
     return combine(observers), metrics
 
 
+def _warn_untuned(cfg: VerifyConfig, device) -> None:
+    """One line when the invariant GEMM has no tuned table for this GPU (it then runs one
+    16-row config per product: bit-exact, several times slower past a few rows)."""
+    if cfg.target_kernels != "invariant" or not triton_available(device):
+        return
+    from treespec.kernels.triton_gemv import invariant_tuned        # imports triton
+    if not invariant_tuned(device):
+        log.warning("no tuned invariant GEMM table for %s: one 16-row config per product "
+                    "(bit-exact, slow past a few rows); tune it with `python bench/"
+                    "invariant_gemm_probe.py --out F --write-config kernels/"
+                    "invariant_gemm_configs.json`, or run --batch-invariant off", device)
+
+
 def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = None
                  ) -> tuple[VerifyEngine, GenerationServicer]:
     path = resolve_model(cfg.model)
@@ -67,10 +81,12 @@ def build_engine(cfg: VerifyConfig, tracer_provider: TracerProvider | None = Non
         if cfg.generation_config == "auto" and gen.exists() else {}
     engine = VerifyEngine(model, cfg.num_blocks, cfg.block_size, cfg.max_batch,
                           cfg.max_model_len, cfg.prefill_tokens, link=link,
-                          kernels=cfg.target_kernels, busy_poll=busy, observer=observer, sampling_defaults=defaults,
+                          kernels=cfg.target_kernels, busy_poll=busy, observer=observer,
+                          sampling_defaults=defaults,
                           max_waiting=cfg.max_waiting, speculation=cfg.speculation,
                           prefix_caching=cfg.prefix_caching)
     if device.type == "cuda":
+        _warn_untuned(cfg, device)
         log.info("verify warm-up (plain decode's graphs, batch buckets to %d) took %.1f s",
                  cfg.max_batch, engine.verifier.warm_up())
     if metrics is not None:
