@@ -4,11 +4,11 @@
         [--configs ngram:chain4,model:tree-small,...] [--modes random,shadow]
 
 One verify service (Qwen3-8B shape, random weights; --plant: a planted successor map)
-serves every draft in turn on one port; per (proposer, envelope, mode) a draft service starts: `treespec draft`
-with random weights (mode random: what the drafter costs, accepting almost nothing;
-the draft model is Qwen3-0.6B-shaped, the EAGLE-3 head the published Qwen3-8B one's
-shape with the target's embeddings; random+laK: with --lookahead K), or the shadow
-replay instrument (mode shadow:
+serves every draft in turn on one port; per (proposer, envelope, mode) a draft service
+starts: `treespec draft` with random weights (mode random: what the drafter costs,
+accepting almost nothing; the draft model is Qwen3-0.6B-shaped, the EAGLE-3 head the
+published Qwen3-8B one's shape with the target's embeddings; random+laK: with
+--lookahead K), or the shadow replay instrument (mode shadow:
 the same drafter's whole step, its tree then replaced by the replay's continuation at
 3 correct tokens of 4: what it buys at 4 tokens a step; mode shadowraw: the same with
 the hidden states crossing unprojected, the projection's side-by-side). Plain decode
