@@ -32,7 +32,7 @@ def bench_argv(name: str, d: Path) -> tuple[list[str], dict[str, str] | None]:
     if name == "h200":
         # 3 timed steps at each verify shape, not the GPU run's 30 (the section's path,
         # not its figures: a CPU step at this shape's 152k vocabulary is ~0.15 s)
-        return script + ["--ctx", "32", "--max-tokens", "16", "--batches", "1",
+        return script + ["--ctx", "32", "--max-tokens", "16", "--batches", "1,2",
                          "--nodes", "0,4", "--verify-iters", "3", "--ab-grpc",
                          "--lookahead-hit-rates", "1", "--emulated-draft-ms", "25"], None
     if name == "drafters":
@@ -96,9 +96,10 @@ def test_h200_bench_runs_end_to_end_at_a_tiny_shape(benches):
     for key in ("plain_tok_s", "hf_tok_s", "floor_tok_s", "verify_ms", "oracle4_tok_s",
                 "hop_share", "batch_tok_s"):
         assert key in r, key
-    assert set(r["verify_ms"]["1"]) == {"0", "4"} and set(r["batch_tok_s"]) == {"1"}
+    assert set(r["verify_ms"]["1"]) == {"0", "4"} and set(r["batch_tok_s"]) == {"1", "2"}
     e2e = r["e2e"]
-    for b in (1,):           # (batches > 1 run the same code; bench/drafters.py's smoke has 2)
+    assert e2e["alone_equals_batch"]     # batch 1's prompt, twice at batch 2: the same tokens
+    for b in (1, 2):
         assert e2e[f"reject_b{b}"]["tokens_per_step"] == 1.0       # every draft was wrong
         assert e2e[f"replay_b{b}"]["lossless"] and e2e[f"reject_b{b}"]["lossless"]
         # 3 correct tokens of 4 drafted: every step commits 4 but the last (16 = 1 + 4+4+4+3)
