@@ -2,12 +2,13 @@
 configs per Qwen3-8B product serve each row count best without changing a row's bits,
 against the default path (the skinny kernel up to 16 rows, cuBLAS past).
 
-    python bench/invariant_gemm_probe.py --out FILE [--rows 1,5,40,320,4160]
+    python bench/invariant_gemm_probe.py --out FILE [--rows 1,5,16,40,64,128,320,1040,4160]
         [--write-config kernels/invariant_gemm_configs.json]
     python bench/invariant_gemm_probe.py --picks-from FILE --write-config ...   # no GPU
 
-Rows: 1 = a plain step at batch 1, 5 = a 4-node verify, 40 / 320 = 5-node trees at
-batch 8 / 64, 4160 = 64-node trees at batch 64. Per product and config: time at every
+Rows: 1 = a plain step at batch 1, 5 = a 4-node verify, 16 / 64 = plain steps at batch
+16 / 64, 40 / 320 = 5-node trees at batch 8 / 64, 128 / 1040 = ~17-node trees at batch
+8 / 64, 4160 = 64-node trees at batch 64. Per product and config: time at every
 row count (a CUDA graph walking weight copies larger than L2, bench/gemv_probe.py's
 graph_ms), whether a row gives the same bits alone and first, middle and last among
 M rows at every M, and which configs give each other's bits (same_bits). The picks per
@@ -30,10 +31,13 @@ from gemv_probe import SHAPES, graph_ms
 from treespec.kernels import triton_backend, triton_gemv
 
 # (BM, BN, BK, num_warps, num_stages); the 16-row class's tiles are tried as well
+# (s42: past ~64 rows the picks lost 1.3-2 × to cuBLAS, so wider tiles and deeper pipelines
+# were added for 64-1040 rows)
 CANDIDATES = [(32, 64, 64, 4, 3), (64, 32, 64, 4, 4),
               (64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (64, 128, 64, 4, 3),
               (64, 128, 128, 8, 3), (64, 32, 256, 4, 4), (128, 64, 64, 4, 3),
-              (128, 128, 64, 8, 3)]
+              (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4),
+              (64, 256, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)]
 
 
 def product(silu: bool, config=None, invariant: bool = True):
@@ -85,7 +89,7 @@ def buckets(entry: dict, rows: list[int]) -> list[list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="")
-    ap.add_argument("--rows", default="1,5,40,320,4160")
+    ap.add_argument("--rows", default="1,5,16,40,64,128,320,1040,4160")
     ap.add_argument("--write-config", default="")
     ap.add_argument("--picks-from", default="",
                     help="a saved --out file: write its buckets to --write-config, no GPU")
