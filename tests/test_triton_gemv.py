@@ -4,6 +4,7 @@ row's output does not depend on how many rows came with it (interpreter on CPU).
 from __future__ import annotations
 
 import json
+
 import pytest
 import torch
 import torch.nn.functional as F
