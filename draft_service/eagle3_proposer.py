@@ -13,6 +13,13 @@ forward each):
    (``o`` for level 1) instead of target features — the EAGLE-3 test-time rule.
 3. *rerank* to ``num_nodes``; draft ids go back to target ids through ``d2t``.
 
+Lookahead (draft_service/lookahead.py): a guessed token has no target feature until the
+verify has run, so ``guess`` gives guessed pairs the head's own outputs as features, by
+the same test-time rule as the tree's deeper levels: the output at the newest committed
+pair for the first guessed token, each next the output at the guessed pair before it
+(one head forward a guessed token; their KV is written). ``update`` with fewer tokens
+takes the guessed pairs back, and their pages never join the prefix cache.
+
 Rollback is free: tree nodes' KV was computed from the head's own outputs, never
 from target features, so none of it is kept. The next update's accepted tokens
 arrive with their target features and join the committed pairs in the next
@@ -45,6 +52,7 @@ if TYPE_CHECKING:
 class Eagle3Proposer(FeatureDrafter):
     name = "eagle3"
     levels = True
+    lookahead = True            # guess() extends, update() takes back
 
     def __init__(self, head: Eagle3Head, env: TreeEnvelope, ops: ModuleType,
                  num_blocks: int, block_size: int, model_name: str = "",
@@ -81,3 +89,38 @@ class Eagle3Proposer(FeatureDrafter):
         return eagle3_step(self.head, self.cache, self.ops,
                            shallower(self.env, depth or self.env.depth), self._depths, tokens,
                            count, ctx0, table, feats, sampling)
+
+    @torch.inference_mode()
+    def guess(self, items: list[tuple[int, list[int], int]]) -> None:
+        """Each (seq_id, tokens, count): the sequence's tokens extended by count guessed
+        tokens, whose pairs take the head's outputs as features (module doc). A sequence
+        whose committed pairs lack KV (dropped for pages) gets zero features instead."""
+        chains = []                 # (state, all its tokens, the units to forward)
+        for sid, tokens, count in items:
+            st = self.state(sid)
+            if len(st.tokens) != len(tokens) - count:      # another guess's, taken back
+                self.update(sid, tokens[:len(tokens) - count], 0, [], None)
+            n = len(st.tokens) - 1              # its pairs; pair n-1 is redone
+            if count and n >= 1 and st.pages.kv_len >= n - 1:
+                self.cache.rewind(st.pages, n - 1)
+                chains.append((st, tokens, tokens[n:n + count]))    # s_n, then guesses
+            elif count:
+                self.update(sid, tokens, count, [], None)
+                st.guessed = True
+        if not chains:
+            return
+        hidden = torch.cat([st.feats.span(len(st.tokens) - 2, len(st.tokens) - 1)
+                            for st, _, _ in chains])
+        rows: list[list[torch.Tensor]] = [[] for _ in chains]
+        for j in range(max(len(u) for _, _, u in chains)):
+            live = [i for i, (_, _, u) in enumerate(chains) if len(u) > j]
+            fb = build_forward_batch([chain_chunk(chains[i][0].pages, chains[i][2][j:j + 1])
+                                      for i in live], self.cache)
+            out = self.head(fb, self.cache, self.ops, hidden[live])
+            hidden = hidden.index_copy(0, torch.tensor(live, device=hidden.device), out)
+            for k, i in enumerate(live):
+                chains[i][0].pages.kv_len += 1
+                rows[i].append(out[k])
+        for (st, tokens, _), r in zip(chains, rows):
+            st.feats.append(torch.stack(r))
+            st.tokens, st.guessed = tokens, True

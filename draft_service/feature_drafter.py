@@ -47,6 +47,7 @@ from treespec.draft_service.kv_drafter import DraftSeq, KVDrafter
 @dataclass
 class FeatureSeq(DraftSeq):
     feats: RowBuffer | None = None          # [pairs, C]: feats.rows[t] = f_t of pair t
+    guessed: bool = False                   # its last pairs are a lookahead's guesses
 
 
 class FeatureDrafter(KVDrafter):
@@ -90,9 +91,12 @@ class FeatureDrafter(KVDrafter):
         if new_count == len(tokens):          # from nothing: s_0 has no pair
             self.cache.release(st.pages)
             st.feats = RowBuffer(rows[1:])
-        else:
+        else:       # (fewer tokens than it holds: a lookahead's guessed pairs taken back)
+            old = len(tokens) - new_count - 1
+            self.cache.rewind(st.pages, old)
+            st.feats.truncate(old)
             st.feats.append(rows)
-        st.tokens = tokens
+        st.tokens, st.guessed = tokens, False
 
     def take_prefix(self, seq_id: int, tokens: list[int], cached_len: int,
                     hidden: torch.Tensor | None) -> bool:
@@ -150,11 +154,14 @@ class FeatureDrafter(KVDrafter):
             self.cache.rewind(st.pages, st.pages.kv_len - 1)
 
     def _register(self, seqs: list[FeatureSeq]) -> None:
-        """Full pages below kv_len join the cache with their feature rows."""
+        """Full pages below kv_len join the cache with their feature rows (not while
+        guessed pairs, whose rows are not the target's, sit below kv_len)."""
         if self._page_feats is None:
             return
         bs = self.cache.block_size
         for st in seqs:
+            if st.guessed:
+                continue
             before = st.pages.registered
             self.cache.register(st.pages, st.tokens)
             if st.pages.registered > before:

@@ -101,8 +101,7 @@ def draft_candidates(proposer: Proposer, rows: list[Row], per_seq: int,
     paths = [likely_path(r.tree_tokens, r.tree_parents) for r in rows]
     keys = torch.full((n * per_seq, max(len(p) for p in paths) + 1), -1, dtype=torch.int32)
     try:
-        for r, path in zip(rows, paths):
-            proposer.update(r.seq_id, r.tokens + path, len(path), [], None)
+        _extend(proposer, [(r.seq_id, r.tokens + path, len(path)) for r, path in zip(rows, paths)])
         probe = proposer.propose([r.seq_id for r in rows], picked, **(probe_kw or {}))
         num_nodes = probe.tokens.shape[1]
         trees = TreeBatch.padding(n * per_seq, num_nodes)
@@ -120,9 +119,8 @@ def draft_candidates(proposer: Proposer, rows: list[Row], per_seq: int,
             sel = [b for b in range(n) if len(guesses[b]) > k]
             if not sel:
                 break
-            for b in sel:
-                r = rows[b]
-                proposer.update(r.seq_id, r.tokens + paths[b] + [guesses[b][k]], 1, [], None)
+            _extend(proposer, [(rows[b].seq_id, rows[b].tokens + paths[b] + [guesses[b][k]], 1)
+                               for b in sel])
             got = proposer.propose([rows[b].seq_id for b in sel],
                                    None if picked is None else [sampling[b] for b in sel])
             at = [b * per_seq + k for b in sel]
@@ -132,3 +130,13 @@ def draft_candidates(proposer: Proposer, rows: list[Row], per_seq: int,
         for r in rows:
             proposer.update(r.seq_id, r.tokens, 0, [], None)
     return keys, trees
+
+
+def _extend(proposer: Proposer, items: list[tuple[int, list[int], int]]) -> None:
+    """Each (seq_id, tokens, count): the sequence goes on with count guessed tokens."""
+    guess = getattr(proposer, "guess", None)
+    if guess is not None:
+        guess(items)
+        return
+    for seq_id, tokens, count in items:
+        proposer.update(seq_id, tokens, count, [], None)

@@ -66,7 +66,8 @@ class Proposer(Protocol):
     # takes back (fewer committed tokens than it last saw: drop what came after them);
     # only such a drafter pre-drafts candidates (draft_service/lookahead.py); one that
     # also has draft_candidates(rows, k) -> (keys, trees) drafts them itself (the replay
-    # instrument, whose outcomes are known)
+    # instrument, whose outcomes are known); one with guess(items) extends sequences by
+    # guessed tokens through it, not update (EAGLE-3: its own outputs as their features)
     # optional: projection, a [width, layers * hidden] tensor: the proposer's first use
     # of hidden states is x @ projection.T, and it takes them either way
     # optional: take_prefix(seq_id, tokens, cached_len, hidden) -> bool, for a full

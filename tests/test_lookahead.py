@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from treespec.common.client import AsyncTreespecClient
+from treespec.common.model.paths import SHIPPED_DIR
 from treespec.common.spec.messages import SeqUpdate, SpecRequest
 from treespec.common.spec.tree import envelope_from
 from treespec.draft_service import engine as draft_engine
@@ -189,3 +190,57 @@ def test_engine_lookahead_under_a_budget_is_one_probe(target_dir):
                                                  full=True)])).trees.tokens[0].tolist()
     assert [probe[0]] == key[-1:] and ahead.trees.num_valid()[0] == 3
     assert ahead.trees.tokens[0].tolist()[:3] == probe[1:]
+
+
+SHIPPED_TARGET, SHIPPED_HEAD = SHIPPED_DIR / "tiny-code", SHIPPED_DIR / "tiny-code-eagle3"
+
+
+@pytest.mark.parametrize("envelope", ["chain4", "tree-small"])
+def test_eagle3_lookahead_greedy_equals_plain(envelope):
+    """EAGLE-3 pre-drafts with its own outputs as the guessed tokens' features: the
+    shipped head's guesses come true on the shipped target's code, and the output is
+    plain greedy's."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(SHIPPED_TARGET)
+    prompts = [tok.encode("import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n"),
+               tok.encode("class Stack:\n    def __init__(self):\n        self.items = []\n")]
+
+    async def go():
+        async with services(SHIPPED_TARGET, "eagle3", SHIPPED_HEAD, envelope,
+                            draft_kw={"lookahead": 1}) as h:
+            free = _draft_free(h)
+            async with AsyncTreespecClient(h["addr"]) as c:
+                outs = await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=32,
+                                                         ignore_eos=True) for p in prompts])
+            return outs, dict(h["engine"].lookahead), await _pages_back(h, free)
+    outs, counts, free = asyncio.run(go())
+    for p, out in zip(prompts, outs):
+        assert out.token_ids == greedy_reference(SHIPPED_TARGET, p, 32)
+    assert counts["hits"] > 0 and counts["misses"] > 0 and free
+
+
+def test_engine_eagle3_lookahead_leaves_the_drafter_as_it_was():
+    """After pre-drafting, the EAGLE-3 drafter holds the committed pairs only (feature
+    rows and tokens), and its next tree is the one drafted without the lookahead."""
+    toks = list(range(40, 60))
+    trees = []
+    for k in (1, 0):
+        e = DraftEngine(DraftConfig(method="eagle3", envelope=envelope_from("tree-small"),
+                                    model=str(SHIPPED_HEAD), device="cpu", lookahead=k))
+        hidden = torch.randn(len(toks) + 4, e.proposer.head.spec.feature_size,
+                             generator=torch.Generator().manual_seed(0))
+        req = SpecRequest(1, [SeqUpdate(5, len(toks), toks, full=True, lookahead=bool(k),
+                                        hidden=hidden[:len(toks)])])
+        tree = e.step(req).trees
+        if k:
+            ahead = e.lookahead(req)
+            assert ahead.seq_ids == [5]
+            st = e.proposer.state(5)
+            assert st.tokens == toks and st.feats.len == len(toks) - 1 and not st.guessed
+        path = likely_path(tree.tokens[0].tolist(), tree.parents[0].tolist())[:1]
+        new = path + [7]
+        trees.append(e.step(SpecRequest(2, [SeqUpdate(
+            5, len(toks) + len(new), new, accepted_step_id=1,
+            hidden=hidden[len(toks):len(toks) + len(new)])])).trees)
+    assert torch.equal(trees[0].tokens, trees[1].tokens)
+    assert torch.equal(trees[0].parents, trees[1].parents)

@@ -38,6 +38,13 @@ class RowBuffer:
         torch.cat(self._waiting, out=self._buf[self._landed:self.len])
         self._landed, self._waiting = self.len, []
 
+    def truncate(self, n: int) -> None:
+        """Keep the first n rows (a drafter's guessed rows, taken back)."""
+        if n < self.len:
+            if self._waiting:
+                self._land()
+            self.len = self._landed = n
+
     def span(self, lo: int, hi: int) -> torch.Tensor:
         """rows[lo:hi]; the last append's rows as they are (no copy) when that is
         what is asked, as a drafter's step asks for the units its update brought."""
