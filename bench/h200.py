@@ -167,19 +167,19 @@ def main() -> None:
         out["emulated_draft_ms"] = a.emulated_draft_ms or None
         out["e2e"] = r
         out["e2e_kernels"] = a.kernels
-        out["oracle4_tok_s"] = r["replay_b1"]["tok_s"]
-        out["oracle4_tokens_per_step"] = r["replay_b1"]["tokens_per_step"]
-        if "decode_tok_s" in r["replay_b1"] and "decode_tok_s" in r.get("plain_b1", {}):
+        b0 = batches[0]             # the oracle4 / hop figures: at the first batch size
+        first, plain0 = r[f"replay_b{b0}"], r.get(f"plain_b{b0}", {})
+        out["oracle4_tok_s"] = first["tok_s"]
+        out["oracle4_tokens_per_step"] = first["tokens_per_step"]
+        if "decode_tok_s" in first and "decode_tok_s" in plain0:
             # oracle4_tok_s / plain counts each request's prefill too; this is decode only
-            out["oracle4_decode_ratio"] = (r["replay_b1"]["decode_tok_s"]
-                                           / r["plain_b1"]["decode_tok_s"])
+            out["oracle4_decode_ratio"] = first["decode_tok_s"] / plain0["decode_tok_s"]
         # the hop as a serving step pays it (the verify service's own histogram)
-        b1 = r["replay_b1"]
-        if "hop_ms" in b1 and "step_ms" in b1:
-            out["hop_share"] = b1["hop_ms"] / b1["step_ms"]
+        if "hop_ms" in first and "step_ms" in first:
+            out["hop_share"] = first["hop_ms"] / first["step_ms"]
         for key in AB_FLAGS:                              # replay variants
-            if f"replay_b1_{key}" in r:
-                n = r[f"replay_b1_{key}"]
+            if f"replay_b{b0}_{key}" in r:
+                n = r[f"replay_b{b0}_{key}"]
                 out[f"oracle4_tok_s_{key}"] = n["tok_s"]
                 out[f"hop_share_{key}"] = n["hop_ms"] / n["step_ms"] if "hop_ms" in n else None
         out["batch_tok_s"] = {str(b): {"plain": r[f"plain_b{b}"]["tok_s"],

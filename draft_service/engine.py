@@ -129,8 +129,9 @@ class DraftEngine:
         self.lookahead_k = cfg.lookahead if getattr(self.proposer, "lookahead", False) else 0
         if cfg.lookahead and not self.lookahead_k:
             log.warning("--lookahead %d: the %s drafter does not pre-draft (it needs the "
-                        "target's hidden states of the tokens it would guess); drafting "
-                        "when asked", cfg.lookahead, self.proposer.name)
+                        "target's hidden states of the tokens it would guess, and has "
+                        "nothing of its own in their place); drafting when asked",
+                        cfg.lookahead, self.proposer.name)
 
     @property
     def info(self) -> DrafterInfo:
