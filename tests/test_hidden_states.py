@@ -172,6 +172,24 @@ def test_hidden_buffer_appends_in_amortized_place():
     assert sum(grown) <= 6, "the buffer should double, not copy every step"
 
 
+def test_hidden_buffer_truncates_guessed_rows():
+    """A lookahead's guessed rows are taken back: waiting or landed, the rows after n go,
+    the next append lands after row n, and a borrowed tensor is never written."""
+    from treespec.common.runtime.row_buffer import RowBuffer
+    prompt = torch.zeros(3, 2)
+    buf = RowBuffer(prompt)
+    buf.append(torch.ones(2, 2))              # guessed, waiting
+    buf.truncate(3)
+    buf.append(torch.full((1, 2), 2.0))
+    assert torch.equal(buf.rows, torch.cat([torch.zeros(3, 2), torch.full((1, 2), 2.0)]))
+    buf.append(torch.ones(2, 2))              # guessed, landed by a read
+    assert buf.rows.shape[0] == 6
+    buf.truncate(2)
+    buf.append(torch.full((1, 2), 3.0))
+    assert torch.equal(buf.rows, torch.tensor([[0.0, 0.0], [0.0, 0.0], [3.0, 3.0]]))
+    assert torch.equal(prompt, torch.zeros(3, 2))
+
+
 def test_hidden_rows_wait_as_views_until_read():
     """A step appends to every sequence; nobody reads while the controller runs plain,
     so appends must not copy (the b32 plain steps of EAGLE-3 and DFlash paid ~0.8 ms
