@@ -64,6 +64,8 @@ def one_pair(a: argparse.Namespace, method: str, k: int, prompts: list[list[int]
              "--device", "cpu", "--lookahead", str(k)]
     if SHIPPED_DRAFTS.get(method):
         dargs += ["--model", SHIPPED_DRAFTS[method]]
+    if method == "dflash":          # no embedding or LM head of its own
+        dargs += ["--target-embeddings", target]
     rows = []
     with start_process("draft", pinned(1, *dargs), 180, env) as draft, start_process(
             "verify", pinned(0, "verify", "--model", target, "--draft", draft.addr, "--port", "0",
