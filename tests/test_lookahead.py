@@ -14,6 +14,7 @@ import torch
 
 from treespec.common.client import AsyncTreespecClient
 from treespec.common.model.paths import SHIPPED_DIR
+from treespec.common.runtime.kv_cache import SeqPages
 from treespec.common.spec.messages import SeqUpdate, SpecRequest
 from treespec.common.spec.tree import envelope_from
 from treespec.draft_service import engine as draft_engine
@@ -244,3 +245,46 @@ def test_engine_eagle3_lookahead_leaves_the_drafter_as_it_was():
             hidden=hidden[len(toks):len(toks) + len(new)])])).trees)
     assert torch.equal(trees[0].tokens, trees[1].tokens)
     assert torch.equal(trees[0].parents, trees[1].parents)
+
+
+def test_eagle3_lookahead_seeded_sampling_equals_no_speculation():
+    """Coupled acceptance with EAGLE-3's lookahead: its probe draws the bonus guesses with
+    the request's seeded noise; hit or miss, the tokens are the plain request's."""
+    from transformers import AutoTokenizer
+    prompt = AutoTokenizer.from_pretrained(SHIPPED_TARGET).encode(
+        "def mean(xs):\n    total = 0\n    for x in xs:\n")
+    sampling = {"temperature": 0.8, "seed": 11}
+
+    async def go():
+        async with services(SHIPPED_TARGET, "eagle3", SHIPPED_HEAD, "chain4",
+                            draft_kw={"lookahead": 1}) as h:
+            free = _draft_free(h)
+            async with AsyncTreespecClient(h["addr"]) as c:
+                spec = await c.generate(prompt_ids=prompt, max_tokens=32, ignore_eos=True,
+                                        **sampling)
+                plain = await c.generate(prompt_ids=prompt, max_tokens=32, ignore_eos=True,
+                                         no_speculation=True, **sampling)
+            return spec, plain, dict(h["engine"].lookahead), await _pages_back(h, free)
+    spec, plain, counts, free = asyncio.run(go())
+    assert spec.token_ids == plain.token_ids
+    assert counts["hits"] + counts["misses"] > 0 and free
+
+
+def test_engine_eagle3_guessed_pages_never_join_the_prefix_cache():
+    """A lookahead's guessed pairs carry the head's own features, not the target's: the
+    pages they fill are not offered to the prefix cache, and the committed ones are."""
+    toks = list(range(40, 40 + 15))           # 14 committed pairs; pages of 4
+    e = DraftEngine(DraftConfig(method="eagle3", envelope=envelope_from("chain4"),
+                                model=str(SHIPPED_HEAD), device="cpu", lookahead=1,
+                                block_size=4))
+    hidden = torch.randn(len(toks), e.proposer.head.spec.feature_size,
+                         generator=torch.Generator().manual_seed(0))
+    req = SpecRequest(1, [SeqUpdate(5, len(toks), toks, full=True, lookahead=True,
+                                    hidden=hidden)])
+    e.step(req)
+    assert e.proposer.state(5).pages.registered == 3     # units 0-11 in whole pages
+    ahead = e.lookahead(req)                 # the probe's units reach 14 + 4 guessed
+    guessed = toks + ahead.keys[0][ahead.keys[0] >= 0].tolist()
+    cache = e.proposer.cache
+    assert len(cache.cached_prefix(SeqPages(), guessed)) == 3
+    assert len(cache.cached_prefix(SeqPages(), toks + [1] * 6)) == 3
