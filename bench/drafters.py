@@ -8,7 +8,9 @@ serves every draft in turn on one port; per (proposer, envelope, mode) a draft s
 starts: `treespec draft` with random weights (mode random: what the drafter costs,
 accepting almost nothing; the draft model is Qwen3-0.6B-shaped, the EAGLE-3 head the
 published Qwen3-8B one's shape with the target's embeddings; random+laK: with
---lookahead K), or the shadow replay instrument (mode shadow:
+--lookahead K), or the shadow replay instrument (mode shadow; shadow+laK@H: with the
+drafter's own lookahead for its cost, the step's outcome among the candidates with
+probability H, default 1:
 the same drafter's whole step, its tree then replaced by the replay's continuation at
 3 correct tokens of 4: what it buys at 4 tokens a step; mode shadowraw: the same with
 the hidden states crossing unprojected, the projection's side-by-side). Plain decode
@@ -66,13 +68,16 @@ def draft_argv(method: str, envelope: str, mode: str, port: int, work: Path, tar
     common = [*envelope_args(envelope), "--port", str(port), "--num-blocks", str(pages),
               "--metrics-port", "0", *model[method]]
     mode, _, ahead = mode.partition("+la")          # random+la1: the draft's --lookahead 1
+    ahead, _, hit_rate = ahead.partition("@")       # shadow+la1@0.15: the replay's hit rate
     if ahead:
         common += ["--lookahead", ahead]
     if mode == "random":
         return cli_command("draft", "--method", method, "--device", device, *common)
     raw = ["--raw-hidden"] if mode == "shadowraw" else []     # the A/B of the projection
+    hit = ["--hit-rate", hit_rate] if hit_rate else []
     return [sys.executable, str(BENCH / "replay.py"), "--continuations", str(cont),
-            "--accept", str(accept), "--shadow", method, "--device", device, *raw, *common]
+            "--accept", str(accept), "--shadow", method, "--device", device, *raw, *hit,
+            *common]
 
 
 async def _connected(addr: str, proposer: str, timeout: float = 600.0) -> None:

@@ -244,3 +244,17 @@ def test_drafters_plot_names_the_run_s_prompt_length(monkeypatch, tmp_path):
                    "plain": {"1": {"tok_s": 5.0}}}, tmp_path / "plot.png")
     labels = " ".join(given)
     assert "24-token prompts" in labels and "1024" not in labels, labels
+
+
+def test_drafters_shadow_lookahead_mode_sets_the_hit_rate(tmp_path):
+    """Mode shadow+laK@H starts the shadow replay with the drafter's --lookahead K and
+    the instrument's hit rate H; without @H the replay keeps its default."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import drafters
+    argv = drafters.draft_argv("eagle3", "chain4", "shadow+la1@0.15", 1, tmp_path, tmp_path,
+                               "cpu", tmp_path / "c.json", 64)
+    assert argv[argv.index("--hit-rate") + 1] == "0.15"
+    assert argv[argv.index("--lookahead") + 1] == "1"
+    plain = drafters.draft_argv("eagle3", "chain4", "shadow+la1", 1, tmp_path, tmp_path,
+                                "cpu", tmp_path / "c.json", 64)
+    assert "--hit-rate" not in plain and "--lookahead" in plain
