@@ -288,3 +288,21 @@ def test_engine_eagle3_guessed_pages_never_join_the_prefix_cache():
     cache = e.proposer.cache
     assert len(cache.cached_prefix(SeqPages(), guessed)) == 3
     assert len(cache.cached_prefix(SeqPages(), toks + [1] * 6)) == 3
+
+
+def test_engine_eagle3_lookahead_after_its_kv_was_dropped():
+    """A sequence whose draft KV was dropped for pages still gets a candidate (its guessed
+    pairs take zero features) and is left at its committed pairs."""
+    toks = list(range(40, 60))
+    e = DraftEngine(DraftConfig(method="eagle3", envelope=envelope_from("chain4"),
+                                model=str(SHIPPED_HEAD), device="cpu", lookahead=1))
+    hidden = torch.randn(len(toks), e.proposer.head.spec.feature_size,
+                         generator=torch.Generator().manual_seed(0))
+    req = SpecRequest(1, [SeqUpdate(5, len(toks), toks, full=True, lookahead=True,
+                                    hidden=hidden)])
+    e.step(req)
+    st = e.proposer.state(5)
+    e.proposer.cache.release(st.pages)
+    ahead = e.lookahead(req)
+    assert ahead.seq_ids == [5] and ahead.trees.num_valid() == [4]
+    assert st.tokens == toks and st.feats.len == len(toks) - 1 and not st.guessed
