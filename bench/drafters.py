@@ -94,7 +94,8 @@ async def _connected(addr: str, proposer: str, timeout: float = 600.0) -> None:
 def row(r: dict, ids: list[list[int]], plain: dict, before: dict, after: dict) -> dict:
     keep = ("tok_s", "tokens_per_step", "step_ms", "hop_ms", "hop_draft_ms", "verify_ms",
             "prefill_ms", "fallback_steps", "tok_s_runs", "step_over_ms", "hop_over_ms",
-            "verify_over_ms", "budget_steps", "budget_step_ms")
+            "verify_over_ms", "budget_steps", "budget_step_ms", "lookahead_hits",
+            "lookahead_misses")
     return {**{k: r[k] for k in keep if k in r},
             "over_plain": r["tok_s"] / plain["tok_s"],
             "fallbacks": {k: v - before.get(k, 0.0) for k, v in after.items()
