@@ -114,9 +114,8 @@ def pages(a: argparse.Namespace) -> int:
 
 def checkpoints(a: argparse.Namespace, work: Path) -> None:
     import torch
-    plant = a.target_shape != "tiny" and a.plant
     made = [(target_name(a), lambda: shapes.random_hf_model(a.target_shape, a.device,
-                                                             plant=plant)),
+                                                             plant=planted(a))),
             ("draft", lambda: shapes.random_hf_model(a.draft_shape, a.device, seed=2))]
     for name, make in made:
         if not (work / name / "config.json").exists():
@@ -131,9 +130,14 @@ def checkpoints(a: argparse.Namespace, work: Path) -> None:
         shapes.random_dflash(a.target_shape, work / "dflash", a.device)
 
 
+def planted(a: argparse.Namespace) -> bool:
+    """Whether the target carries a planted successor map (--plant; never the tiny shape)."""
+    return a.target_shape != "tiny" and a.plant
+
+
 def target_name(a: argparse.Namespace) -> str:
     """The target checkpoint's folder under --work (planted and plain random weights apart)."""
-    return "target-planted" if a.plant else "target"
+    return "target-planted" if planted(a) else "target"
 
 
 def sampling(a: argparse.Namespace) -> dict | None:
@@ -206,7 +210,7 @@ def main() -> None:
     out = Path(a.out)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "target": a.target_shape,
                  "draft": a.draft_shape, "ctx": a.ctx, "max_tokens": a.max_tokens,
-                 "planted_successor_map": a.target_shape != "tiny" and a.plant,
+                 "planted_successor_map": planted(a),
                  "sampling": sampling(a),
                  "plain": {}, "rows": {}, "errors": {}}
     port = free_port()

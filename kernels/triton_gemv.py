@@ -26,8 +26,8 @@ a tuned table (``invariant_config``) whose configs for that product were all mea
 give each other's bits, so a row's result is the same whatever M is or where the row
 sits, and no M goes to the GEMM library (whose kernel, tiles and split-K change with M).
 A tile's rows meet only in tl.dot, whose MMA gives each output element its own fixed
-reduction (on an H100 tiles of 16-128 rows and BK 64-512 gave the same bits for four of
-the 8B shape's five products). Under the
+reduction (on an H100 tiles of 16-256 rows and BK 64-512 gave each other's bits for all
+five of the 8B shape's products). Under the
 interpreter tl.dot is numpy's matmul, whose BLAS rounds a row by its place; there each
 tile's products are summed in fp64 and rounded once to fp32 (the order then moves a
 result only where an fp64 sum lies within 2^-29 of an fp32 rounding boundary).
