@@ -149,12 +149,15 @@ class DFlashProposer(FeatureDrafter):
         self._outcomes.pop(seq_id, None)
 
     def _ready(self, r: Row) -> bool:
-        """Whether r's sequence holds KV of all its committed pairs and pages for a block."""
+        """Whether r's sequence holds KV of its committed pairs, but for at most a step's
+        (those of a hit, which drafted nothing), and pages for a block."""
         st = self._seqs.get(r.seq_id)
-        if st is None or st.tokens != r.tokens or st.pages.kv_len != len(st.tokens) - 1:
+        units = len(r.tokens) - 1
+        if st is None or st.tokens != r.tokens \
+                or not 0 <= units - st.pages.kv_len < self.graphs.catch_up_len:
             return False
         try:
-            self.cache.reserve(st.pages, st.pages.kv_len + self._scratch)
+            self.cache.reserve(st.pages, units + self._scratch)
         except OutOfPages:
             return False
         return True
@@ -162,12 +165,21 @@ class DFlashProposer(FeatureDrafter):
     @torch.inference_mode()
     def _after(self, rows: list[Row], known: list[list[int]], env: TreeEnvelope) -> TreeBatch:
         """Each row's tree of env drafted after its committed tokens and known, one eager
-        block forward (the newest pair is redone, its page copied first if shared)."""
+        block forward (the pairs lacking KV, at least the newest, written first; a
+        shared page is copied before it is written)."""
         sts = [self._seqs[r.seq_id] for r in rows]
-        units = [st.pages.kv_len for st in sts]
-        for st, u in zip(sts, units):
-            self.cache.rewind(st.pages, u - 1)
+        units = [len(st.tokens) - 1 for st in sts]
+        lo = [min(st.pages.kv_len, u - 1) for st, u in zip(sts, units)]
+        for st, start in zip(sts, lo):
+            self.cache.rewind(st.pages, start)
         dev, b = self.head.device, len(rows)
+        new = [self._inputs(st, start, u) for st, start, u in zip(sts, lo, units)]
+        width = max(len(t) for t, _ in new)
+        tokens = torch.zeros((b, width), dtype=torch.long)
+        feats = torch.zeros((b, width, self.feature_size), dtype=self.head.dtype, device=dev)
+        for i, (t, (f,)) in enumerate(new):
+            tokens[i, :len(t)] = torch.tensor(t)
+            feats[i, :len(t)] = f
         table = self.graphs.buckets.shape([st.pages for st in sts])[2][:b].to(dev)
         given = torch.full((b, max(map(len, known))), -1, dtype=torch.long)
         for i, k in enumerate(known):
@@ -177,13 +189,11 @@ class DFlashProposer(FeatureDrafter):
             batch = SamplingBatch([r.sampling.params if r.sampling else GREEDY for r in rows])
             x = per_row(batch, [False] * b, b).to(dev)
             sampling = [*sampling_batch.unpack(x[:, :-1]), x[:, -1].bool(), batch.width]
-        out = dflash_step(
-            self.head, self.cache, self.ops, env, self._parents, self._depths,
-            torch.tensor([[st.tokens[-1]] for st in sts], device=dev),
-            torch.ones(b, dtype=torch.int32, device=dev),
-            torch.tensor([u - 1 for u in units], dtype=torch.int32, device=dev), table,
-            torch.stack([st.feats.span(u - 1, u) for st, u in zip(sts, units)]),
-            sampling, given.to(dev))
+        out = dflash_step(self.head, self.cache, self.ops, env, self._parents, self._depths,
+                          tokens.to(dev), torch.tensor([len(t) for t, _ in new],
+                                                       dtype=torch.int32, device=dev),
+                          torch.tensor(lo, dtype=torch.int32, device=dev), table, feats,
+                          sampling, given.to(dev))
         for st, u in zip(sts, units):
             st.pages.kv_len = u
         return TreeBatch(out[0].cpu(), out[1].cpu())

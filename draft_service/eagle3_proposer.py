@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from treespec.common.runtime.block_manager import OutOfPages
 from treespec.common.runtime.forward_batch import build_forward_batch, chain_chunk
 from treespec.common.model.paths import resolve_model
 from treespec.common.spec.tree import TreeEnvelope, shallower
@@ -90,23 +91,40 @@ class Eagle3Proposer(FeatureDrafter):
                            shallower(self.env, depth or self.env.depth), self._depths, tokens,
                            count, ctx0, table, feats, sampling)
 
+    def _room(self, st: FeatureSeq, units: int) -> bool:
+        """Whether st holds (or could get) pages for units and a tree's scratch."""
+        try:
+            self.cache.reserve(st.pages, units + self._scratch)
+        except OutOfPages:
+            return False
+        return True
+
     @torch.inference_mode()
     def guess(self, items: list[tuple[int, list[int], int]]) -> None:
         """Each (seq_id, tokens, count): the sequence's tokens extended by count guessed
         tokens, whose pairs take the head's outputs as features (module doc). A sequence
         whose committed pairs lack KV (dropped for pages) gets zero features instead."""
         chains = []                 # (state, all its tokens, the units to forward)
+        behind = []                 # committed pairs without KV (a hit's: it drafted nothing)
         for sid, tokens, count in items:
             st = self.state(sid)
             if len(st.tokens) != len(tokens) - count:      # another guess's, taken back
                 self.update(sid, tokens[:len(tokens) - count], 0, [], None)
             n = len(st.tokens) - 1              # its pairs; pair n-1 is redone
-            if count and n >= 1 and st.pages.kv_len >= n - 1:
-                self.cache.rewind(st.pages, n - 1)
+            if count and n >= 1 and n - 1 - st.pages.kv_len < self.graphs.catch_up_len \
+                    and self._room(st, len(tokens) - 1):
+                if st.pages.kv_len < n - 1:
+                    behind.append((st, st.pages.kv_len, n - 1))
+                else:
+                    self.cache.rewind(st.pages, n - 1)
                 chains.append((st, tokens, tokens[n:n + count]))    # s_n, then guesses
             elif count:
                 self.update(sid, tokens, count, [], None)
                 st.guessed = True
+        if behind:
+            self._prefill(behind)
+            for st, _, hi in behind:
+                st.pages.kv_len = hi
         if not chains:
             return
         hidden = torch.cat([st.feats.span(len(st.tokens) - 2, len(st.tokens) - 1)

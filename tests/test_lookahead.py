@@ -400,3 +400,37 @@ def test_dflash_lookahead_needs_room_in_its_block():
     block16 the drafter does not pre-draft (the engine warns and drafts when asked)."""
     assert _dflash("block8-tree").lookahead_k == 2
     assert _dflash("block16").lookahead_k == 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_lookahead_after_a_hit_drafts_from_the_targets_features(method):
+    """A hit step drafts nothing, so the pairs it committed have no draft KV when the next
+    lookahead starts: it writes them from their target features first, and its
+    candidates are those of a sequence whose step drafted when asked (not of zero
+    features, which cost a third of EAGLE-3's accepted tokens on hits after hits)."""
+    toks = list(range(40, 60))
+    width = cand = None
+    aheads = []
+    for hit in (True, False):
+        e = _dflash("chain4", 1) if method == "dflash" else DraftEngine(DraftConfig(
+            method="eagle3", envelope=envelope_from("chain4"), model=str(SHIPPED_HEAD),
+            device="cpu", lookahead=1))
+        width = width or e.proposer.projection.shape[1]
+        hidden = torch.randn(len(toks) + 8, width, generator=torch.Generator().manual_seed(0))
+        req = SpecRequest(1, [SeqUpdate(5, len(toks), toks, full=True, lookahead=True,
+                                        hidden=hidden[:len(toks)])])
+        e.step(req)
+        key = e.lookahead(req).keys[0]
+        new = key[key >= 0].tolist()            # the step's outcome: the candidate's key
+        req = SpecRequest(2, [SeqUpdate(5, len(toks) + len(new), new, accepted_step_id=1,
+                                        lookahead=True, lookahead_hit=int(hit),
+                                        hidden=hidden[len(toks):len(toks) + len(new)])])
+        tree = e.step(req).trees
+        assert (tree.parents[0] == -2).all() == hit         # a hit drafts no tree
+        if hit:
+            cand = e._seqs[5].tree
+        else:           # the step verifies the same tree, drafted when asked
+            e._seqs[5].tree = cand
+        aheads.append(e.lookahead(req))
+    assert torch.equal(aheads[0].keys, aheads[1].keys)
+    assert torch.equal(aheads[0].trees.tokens, aheads[1].trees.tokens)
