@@ -20,16 +20,6 @@ layer. One step, batched over sequences, at a fixed shape (one CUDA-graph replay
    them (treespec.common.spec.sampling.draft_scores, keyed by the position).
 
 Rollback is free, as for EAGLE-3: only committed pairs' K/V is ever kept.
-
-Lookahead (draft_service/lookahead.py): a guessed token has no target feature, and the
-block has no output of its own to put in its place (zero features: no hit in a CPU
-trial), so guessed tokens stay out of the context and go *into the block*. A candidate
-sits at an accepted depth d the sequence reached often lately (partial acceptance): over
-the committed context, ``[s_n, path[:d], mask ...]`` gives its guess, the block's best
-token at d + 1 that the tree did not try there, and ``[s_n, path[:d], guess, mask ...]``
-its tree from the positions after the guess (two eager block forwards per candidate
-rank, batched over sequences). The block must hold the path, the guess and a tree: an
-envelope at most (block_size - 2) / 2 deep (block8 of a 16-block drafter, not block16).
 """
 
 from __future__ import annotations
@@ -43,29 +33,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from treespec.common.runtime.block_manager import OutOfPages
 from treespec.common.runtime.forward_batch import device_forward_batch, padded_chain_batch
 from treespec.common.runtime.kv_cache import PagedKVCache
 from treespec.common.model.paths import resolve_model
-from treespec.common.spec import sampling_batch
-from treespec.common.spec.sampling import GREEDY
-from treespec.common.spec.sampling_batch import SamplingBatch
-from treespec.common.spec.tree import ROOT, TreeBatch, TreeEnvelope, shallower
+from treespec.common.spec.tree import TreeEnvelope, shallower
 from treespec.common.spec.vocab_top import CHUNK, top_k
 from treespec.draft_service.dflash_head import DFlashHead
-from treespec.draft_service.draft_graphs import per_row
 from treespec.draft_service.feature_drafter import FeatureDrafter, FeatureSeq
-from treespec.draft_service.lookahead import Row, likely_nodes
 from treespec.draft_service.model_step import scores
 from treespec.kernels.dispatch import select
 from treespec.kernels.reference import BLOCK
 
 if TYPE_CHECKING:
     from treespec.draft_service.config import DraftConfig
-
-
-# lookahead: the weight of a step's outcome in a sequence's moving depth frequencies
-OUTCOME_WEIGHT = 1 / 4
 
 
 class DFlashProposer(FeatureDrafter):
@@ -89,7 +69,6 @@ class DFlashProposer(FeatureDrafter):
         super().__init__(head.new_cache(num_blocks, block_size, prefix), env, ops, model_name,
                          [((self.feature_size,), head.dtype)])
         self._scratch = max(self._scratch, spec.block_size)     # the block after the context
-        self._outcomes: dict[int, list[float]] = {}     # lookahead: each sequence's depths
 
     @classmethod
     def load(cls, cfg: DraftConfig, device: torch.device, dtype: torch.dtype) -> DFlashProposer:
@@ -97,106 +76,6 @@ class DFlashProposer(FeatureDrafter):
                                           dtype, device)
         return cls(head, cfg.envelope, select(device, cfg.kernels), cfg.num_blocks,
                    cfg.block_size, model_name=cfg.model, prefix_caching=cfg.prefix_caching)
-
-    @property
-    def lookahead(self) -> bool:
-        """Whether it pre-drafts: its block holds a path, a guess and a tree (module doc)."""
-        return 2 * self.env.depth + 2 <= self.head.spec.block_size
-
-    def draft_candidates(self, rows: list[Row], per_seq: int) -> tuple[torch.Tensor, TreeBatch]:
-        """lookahead.draft_candidates by the block (module doc): (keys [B * K, depth + 1],
-        trees [B * K, N]), K = per_seq, at the K accepted depths the sequence reached
-        most often lately; a row whose committed pairs lack KV (dropped for pages) gets
-        none. The drafter's state is left as it was."""
-        keys = torch.full((len(rows) * per_seq, self.env.depth + 1), -1, dtype=torch.int32)
-        trees = TreeBatch.padding(len(rows) * per_seq, self.env.num_nodes)
-        ranks: list[list[tuple]] = [[] for _ in range(per_seq)]   # (row, path, tried there)
-        for b, r in enumerate(rows):
-            if not self._ready(r):
-                continue
-            nodes = likely_nodes(r.tree_parents)
-            seen = self._outcomes.setdefault(r.seq_id, [0.0] * (self.env.depth + 1))
-            for k, d in enumerate(sorted(range(len(nodes) + 1), key=lambda d: -seen[d])[:per_seq]):
-                at = nodes[d - 1] if d else ROOT
-                ranks[k].append((b, [r.tree_tokens[i] for i in nodes[:d]],
-                                 {t for t, p in zip(r.tree_tokens, r.tree_parents) if p == at}))
-        wide = self.env.topk + 1        # the guess: the best token the tree did not try there
-        for k, cands in enumerate(ranks):   # a block's scratch is its sequence's: a rank a time
-            if not cands:
-                break
-            probe = self._after([rows[b] for b, _, _ in cands], [path for _, path, _ in cands],
-                                TreeEnvelope(1, wide, wide))
-            keyed = [(b, path + [next(t for t in tops if t not in tried)])
-                     for (b, path, tried), tops in zip(cands, probe.tokens.tolist())]
-            got = self._after([rows[b] for b, _ in keyed], [key for _, key in keyed], self.env)
-            for i, (b, key) in enumerate(keyed):
-                keys[b * per_seq + k, :len(key)] = torch.tensor(key, dtype=torch.int32)
-                trees.tokens[b * per_seq + k] = got.tokens[i]
-                trees.parents[b * per_seq + k] = got.parents[i]
-        return keys, trees
-
-    def update(self, seq_id: int, tokens: list[int], new_count: int,
-               accepted_nodes: list[int], hidden: torch.Tensor | None) -> None:
-        super().update(seq_id, tokens, new_count, accepted_nodes, hidden)
-        seen = self._outcomes.get(seq_id)
-        if seen is not None and new_count < len(tokens):    # a step's outcome: its depth
-            d = min(new_count - 1, len(seen) - 1)
-            for i in range(len(seen)):
-                seen[i] += OUTCOME_WEIGHT * ((i == d) - seen[i])
-
-    def release(self, seq_id: int) -> None:
-        super().release(seq_id)
-        self._outcomes.pop(seq_id, None)
-
-    def _ready(self, r: Row) -> bool:
-        """Whether r's sequence holds KV of its committed pairs, but for at most a step's
-        (those of a hit, which drafted nothing), and pages for a block."""
-        st = self._seqs.get(r.seq_id)
-        units = len(r.tokens) - 1
-        if st is None or st.tokens != r.tokens \
-                or not 0 <= units - st.pages.kv_len < self.graphs.catch_up_len:
-            return False
-        try:
-            self.cache.reserve(st.pages, units + self._scratch)
-        except OutOfPages:
-            return False
-        return True
-
-    @torch.inference_mode()
-    def _after(self, rows: list[Row], known: list[list[int]], env: TreeEnvelope) -> TreeBatch:
-        """Each row's tree of env drafted after its committed tokens and known, one eager
-        block forward (the pairs lacking KV, at least the newest, written first; a
-        shared page is copied before it is written)."""
-        sts = [self._seqs[r.seq_id] for r in rows]
-        units = [len(st.tokens) - 1 for st in sts]
-        lo = [min(st.pages.kv_len, u - 1) for st, u in zip(sts, units)]
-        for st, start in zip(sts, lo):
-            self.cache.rewind(st.pages, start)
-        dev, b = self.head.device, len(rows)
-        new = [self._inputs(st, start, u) for st, start, u in zip(sts, lo, units)]
-        width = max(len(t) for t, _ in new)
-        tokens = torch.zeros((b, width), dtype=torch.long)
-        feats = torch.zeros((b, width, self.feature_size), dtype=self.head.dtype, device=dev)
-        for i, (t, (f,)) in enumerate(new):
-            tokens[i, :len(t)] = torch.tensor(t)
-            feats[i, :len(t)] = f
-        table = self.graphs.buckets.shape([st.pages for st in sts])[2][:b].to(dev)
-        given = torch.full((b, max(map(len, known))), -1, dtype=torch.long)
-        for i, k in enumerate(known):
-            given[i, :len(k)] = torch.tensor(k)
-        sampling = None
-        if any(r.sampling is not None for r in rows):
-            batch = SamplingBatch([r.sampling.params if r.sampling else GREEDY for r in rows])
-            x = per_row(batch, [False] * b, b).to(dev)
-            sampling = [*sampling_batch.unpack(x[:, :-1]), x[:, -1].bool(), batch.width]
-        out = dflash_step(self.head, self.cache, self.ops, env, self._parents, self._depths,
-                          tokens.to(dev), torch.tensor([len(t) for t, _ in new],
-                                                       dtype=torch.int32, device=dev),
-                          torch.tensor(lo, dtype=torch.int32, device=dev), table, feats,
-                          sampling, given.to(dev))
-        for st, u in zip(sts, units):
-            st.pages.kv_len = u
-        return TreeBatch(out[0].cpu(), out[1].cpu())
 
     # ------------------------------------------------------------ KVDrafter hooks
     def _prefill(self, rows: list[tuple[FeatureSeq, int, int]]) -> None:
@@ -221,14 +100,13 @@ class DFlashProposer(FeatureDrafter):
 def dflash_step(head: DFlashHead, cache: PagedKVCache, ops: ModuleType, env: TreeEnvelope,
                 parents: torch.Tensor, depths: torch.Tensor, tokens: torch.Tensor,
                 count: torch.Tensor, ctx0: torch.Tensor, table: torch.Tensor,
-                feats: torch.Tensor, sampling: list[torch.Tensor] | None = None,
-                known: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                feats: torch.Tensor, sampling: list[torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, ...]:
     """tokens [B, C] int64 and feats [B, C, H] (projected): row b's first count[b]
     (>= 1) new pairs, written from position ctx0[b] on (the tail is padding: its slots
     are the block's, rewritten next); parents [1, block] BLOCK and depths [block];
     table covers ctx0 + count + block -> tokens, parents [B, N] (and, sampling, q_ids,
-    q_probs [B, N, Q]). known [B, K] (lookahead; -1 past a row's own): tokens the block
-    takes as given after the root, the tree drafted after them."""
+    q_probs [B, N, Q])."""
     b, c = tokens.shape
     spec = head.spec
     chain = padded_chain_batch(tokens, count, ctx0, table, cache.block_size)
@@ -237,19 +115,10 @@ def dflash_step(head: DFlashHead, cache: PagedKVCache, ops: ModuleType, env: Tre
     root = tokens.gather(1, (count.long() - 1).unsqueeze(1))                   # [B, 1]
     block = torch.cat([root, torch.full((b, spec.block_size - 1), spec.mask_token_id,
                                         dtype=root.dtype, device=root.device)], 1)
-    if known is not None:
-        block[:, 1:1 + known.shape[1]] = torch.where(known >= 0, known, spec.mask_token_id)
     par = parents.expand(b, -1)
     fb = device_forward_batch(block, par, depths, n.to(torch.int32), table, cache.block_size)
     fb.ancestors = ops.tree_ancestors(par)
-    hidden = head.block(fb, cache, ops).view(b, spec.block_size, -1)
-    if known is None:
-        hidden = hidden[:, 1:env.depth + 1]
-    else:                       # the tree's positions follow each row's given tokens
-        given = (known >= 0).sum(1)
-        at = given.unsqueeze(1) + 1 + torch.arange(env.depth, device=given.device)
-        hidden = hidden.gather(1, at.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        n = n + given.to(n.dtype)
+    hidden = head.block(fb, cache, ops).view(b, spec.block_size, -1)[:, 1:env.depth + 1]
     logits = head.logits(hidden.reshape(b * env.depth, -1), ops).view(b, env.depth, -1)
     return block_tree(logits, env, n, sampling, ops)
 

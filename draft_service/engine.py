@@ -128,9 +128,9 @@ class DraftEngine:
         self.observer: DraftObserver = observer or NullDraftObserver()
         self.lookahead_k = cfg.lookahead if getattr(self.proposer, "lookahead", False) else 0
         if cfg.lookahead and not self.lookahead_k:
-            log.warning("--lookahead %d: the %s drafter does not pre-draft with the %s "
-                        "envelope (docs/design.md, Lookahead); drafting when asked",
-                        cfg.lookahead, self.proposer.name, self.env.name)
+            log.warning("--lookahead %d: the %s drafter does not pre-draft (its guesses' "
+                        "trees lost more tokens than their hits saved: docs/design.md, "
+                        "Lookahead); drafting when asked", cfg.lookahead, self.proposer.name)
 
     @property
     def info(self) -> DrafterInfo:
@@ -242,7 +242,7 @@ class DraftEngine:
         probe = None
         if getattr(self.proposer, "levels", False) and 0 < req.max_depth < self.env.depth:
             probe = {"depth": req.max_depth + 1} if req.max_depth + 1 < self.env.depth else {}
-        own = getattr(self.proposer, "draft_candidates", None)   # DFlash's, an instrument's
+        own = getattr(self.proposer, "draft_candidates", None)   # an instrument's own
         try:
             keys, trees = own(rows, k) if own else draft_candidates(self.proposer, rows, k,
                                                                     probe)

@@ -53,11 +53,6 @@ class Row:
 
 def likely_path(tokens: list[int], parents: list[int]) -> list[int]:
     """Tokens of the first deepest root-to-leaf path (node order breaks ties)."""
-    return [tokens[i] for i in likely_nodes(parents)]
-
-
-def likely_nodes(parents: list[int]) -> list[int]:
-    """Nodes of the first deepest root-to-leaf path, root's child first."""
     depth: list[int] = []
     best = -1
     for i, p in enumerate(parents):
@@ -69,7 +64,7 @@ def likely_nodes(parents: list[int]) -> list[int]:
             best = i
     path: list[int] = []
     while best >= 0:
-        path.append(best)
+        path.append(tokens[best])
         best = parents[best]
     return path[::-1]
 

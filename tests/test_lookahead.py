@@ -16,7 +16,7 @@ from treespec.common.client import AsyncTreespecClient
 from treespec.common.model.paths import SHIPPED_DIR
 from treespec.common.runtime.kv_cache import SeqPages
 from treespec.common.spec.messages import SeqUpdate, SpecRequest
-from treespec.common.spec.tree import ROOT, envelope_from
+from treespec.common.spec.tree import envelope_from
 from treespec.draft_service import engine as draft_engine
 from treespec.draft_service.config import DraftConfig
 from treespec.draft_service.engine import DraftEngine
@@ -194,26 +194,6 @@ def test_engine_lookahead_under_a_budget_is_one_probe(target_dir):
 
 
 SHIPPED_TARGET, SHIPPED_HEAD = SHIPPED_DIR / "tiny-code", SHIPPED_DIR / "tiny-code-eagle3"
-SHIPPED_DFLASH = SHIPPED_DIR / "tiny-code-dflash"
-
-
-def _code_prompts() -> list[list[int]]:
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(SHIPPED_TARGET)
-    return [tok.encode("import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n"),
-            tok.encode("class Stack:\n    def __init__(self):\n        self.items = []\n")]
-
-
-async def _shipped(method: str, envelope: str, prompts: list[list[int]]):
-    head, kw = SHIPPED_HEAD, {"lookahead": 1}
-    if method == "dflash":
-        head, kw["target_embeddings"] = SHIPPED_DFLASH, str(SHIPPED_TARGET)
-    async with services(SHIPPED_TARGET, method, head, envelope, draft_kw=kw) as h:
-        free = _draft_free(h)
-        async with AsyncTreespecClient(h["addr"]) as c:
-            outs = await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=32,
-                                                     ignore_eos=True) for p in prompts])
-        return outs, dict(h["engine"].lookahead), await _pages_back(h, free)
 
 
 @pytest.mark.parametrize("envelope", ["chain4", "tree-small"])
@@ -221,44 +201,23 @@ def test_eagle3_lookahead_greedy_equals_plain(envelope):
     """EAGLE-3 pre-drafts with its own outputs as the guessed tokens' features: the
     shipped head's guesses come true on the shipped target's code, and the output is
     plain greedy's."""
-    prompts = _code_prompts()
-    outs, counts, free = asyncio.run(_shipped("eagle3", envelope, prompts))
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(SHIPPED_TARGET)
+    prompts = [tok.encode("import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n"),
+               tok.encode("class Stack:\n    def __init__(self):\n        self.items = []\n")]
+
+    async def go():
+        async with services(SHIPPED_TARGET, "eagle3", SHIPPED_HEAD, envelope,
+                            draft_kw={"lookahead": 1}) as h:
+            free = _draft_free(h)
+            async with AsyncTreespecClient(h["addr"]) as c:
+                outs = await asyncio.gather(*[c.generate(prompt_ids=p, max_tokens=32,
+                                                         ignore_eos=True) for p in prompts])
+            return outs, dict(h["engine"].lookahead), await _pages_back(h, free)
+    outs, counts, free = asyncio.run(go())
     for p, out in zip(prompts, outs):
         assert out.token_ids == greedy_reference(SHIPPED_TARGET, p, 32)
     assert counts["hits"] > 0 and counts["misses"] > 0 and free
-
-
-def test_dflash_lookahead_greedy_equals_plain(monkeypatch):
-    """DFlash pre-drafts with the guessed tokens inside its block. Its tiny drafter's
-    guesses rarely come true, so each sequence's first key is set to the step's true
-    outcome (plain greedy's tokens through the tree, then the next): every candidate
-    tree DFlash drafted for it is then verified, and the output is still plain greedy's."""
-    from treespec.draft_service.dflash_proposer import DFlashProposer
-    prompts = _code_prompts()
-    refs = [p + greedy_reference(SHIPPED_TARGET, p, 40) for p in prompts]
-    real = DFlashProposer.draft_candidates
-
-    def oracle(self, rows, per_seq):
-        keys, trees = real(self, rows, per_seq)
-        for b, r in enumerate(rows):
-            ahead = next(f[len(r.tokens):] for f in refs if f[:len(r.tokens)] == r.tokens)
-            outcome, at = [], ROOT
-            while True:
-                nxt = ahead[len(outcome)]
-                outcome.append(nxt)
-                at = next((i for i, (t, p) in enumerate(zip(r.tree_tokens, r.tree_parents))
-                           if p == at and t == nxt), None)
-                if at is None:
-                    break
-            keys[b * per_seq] = -1
-            keys[b * per_seq, :len(outcome)] = torch.tensor(outcome)
-        return keys, trees
-
-    monkeypatch.setattr(DFlashProposer, "draft_candidates", oracle)
-    outs, counts, free = asyncio.run(_shipped("dflash", "block8-tree", prompts))
-    for p, out in zip(prompts, outs):
-        assert out.token_ids == greedy_reference(SHIPPED_TARGET, p, 32)
-    assert counts["hits"] >= 8 and free
 
 
 def test_engine_eagle3_lookahead_leaves_the_drafter_as_it_was():
@@ -349,74 +308,19 @@ def test_engine_eagle3_lookahead_after_its_kv_was_dropped():
     assert st.tokens == toks and st.feats.len == len(toks) - 1 and not st.guessed
 
 
-def _dflash(envelope: str, k: int = 2) -> DraftEngine:
-    return DraftEngine(DraftConfig(method="dflash", envelope=envelope_from(envelope),
-                                   model=str(SHIPPED_DFLASH), device="cpu", lookahead=k,
-                                   target_embeddings=str(SHIPPED_TARGET)))
-
-
-def test_engine_dflash_lookahead_keys_follow_the_outcomes_and_leave_the_drafter():
-    """DFlash's candidates sit at the depths its sequence's steps reached most often:
-    each key is the tree's likely path to that depth, then a token the tree did not try
-    there; the drafter keeps its committed pairs and KV, and every tree is the one
-    drafted without the lookahead. A sequence whose KV was dropped gets none."""
-    def run(k):
-        e, toks = _dflash("tree-small", k), list(range(40, 60))
-        hidden = torch.randn(len(toks) + 8, e.proposer.head.fc.weight.shape[1],
-                             generator=torch.Generator().manual_seed(0))
-        req = SpecRequest(1, [SeqUpdate(5, len(toks), toks, full=True, lookahead=bool(k),
-                                        hidden=hidden[:len(toks)])])
-        trees = [e.step(req).trees]
-        for step in (1, 2, 3):      # a step that accepted one token, then two that accepted none
-            if k:
-                e.lookahead(req)
-            tt, pp = trees[-1].tokens[0].tolist(), trees[-1].parents[0].tolist()
-            new = likely_path(tt, pp)[:1] + [7] if step == 1 else [step + 6]
-            n, toks = len(toks), toks + new
-            req = SpecRequest(step + 1, [SeqUpdate(5, len(toks), new, accepted_step_id=step,
-                                                   lookahead=bool(k),
-                                                   hidden=hidden[n:len(toks)])])
-            trees.append(e.step(req).trees)
-        return e, toks, trees, req
-
-    e, toks, trees, req = run(2)
-    st = e.proposer.state(5)
-    ahead = e.lookahead(req)
-    assert st.tokens == toks and st.pages.kv_len == st.feats.len == len(toks) - 1
-    tt, pp = trees[-1].tokens[0].tolist(), trees[-1].parents[0].tolist()
-    keys = [k[k >= 0].tolist() for k in ahead.keys]
-    assert [len(k) for k in keys] == [1, 2]         # depth 0 (seen most), then depth 1
-    assert keys[0][0] not in [t for t, p in zip(tt, pp) if p < 0]
-    assert keys[1][0] == likely_path(tt, pp)[0]
-    assert ahead.trees.num_valid() == [8, 8]
-    plain = run(0)[2]
-    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(trees, plain))
-    e.proposer.cache.release(st.pages)
-    assert e.lookahead(req).seq_ids == [5] and (e.lookahead(req).keys < 0).all()
-
-
-def test_dflash_lookahead_needs_room_in_its_block():
-    """A block of 16 holds a path, a guess and a tree of 7 levels, not of 15: with
-    block16 the drafter does not pre-draft (the engine warns and drafts when asked)."""
-    assert _dflash("block8-tree").lookahead_k == 2
-    assert _dflash("block16").lookahead_k == 0
-
-
-@pytest.mark.parametrize("method", ["eagle3", "dflash"])
-def test_lookahead_after_a_hit_drafts_from_the_targets_features(method):
+def test_eagle3_lookahead_after_a_hit_drafts_from_the_targets_features():
     """A hit step drafts nothing, so the pairs it committed have no draft KV when the next
     lookahead starts: it writes them from their target features first, and its
-    candidates are those of a sequence whose step drafted when asked (not of zero
-    features, which cost a third of EAGLE-3's accepted tokens on hits after hits)."""
+    candidates are those of a sequence whose step drafted when asked (zero features in
+    their place cost a third of the accepted tokens on hits after hits)."""
     toks = list(range(40, 60))
-    width = cand = None
+    cand = None
     aheads = []
     for hit in (True, False):
-        e = _dflash("chain4", 1) if method == "dflash" else DraftEngine(DraftConfig(
-            method="eagle3", envelope=envelope_from("chain4"), model=str(SHIPPED_HEAD),
-            device="cpu", lookahead=1))
-        width = width or e.proposer.projection.shape[1]
-        hidden = torch.randn(len(toks) + 8, width, generator=torch.Generator().manual_seed(0))
+        e = DraftEngine(DraftConfig(method="eagle3", envelope=envelope_from("chain4"),
+                                    model=str(SHIPPED_HEAD), device="cpu", lookahead=1))
+        hidden = torch.randn(len(toks) + 8, e.proposer.projection.shape[1],
+                             generator=torch.Generator().manual_seed(0))
         req = SpecRequest(1, [SeqUpdate(5, len(toks), toks, full=True, lookahead=True,
                                         hidden=hidden[:len(toks)])])
         e.step(req)
