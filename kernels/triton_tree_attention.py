@@ -49,6 +49,7 @@ from treespec.kernels.triton_common import (FLOAT_DTYPES, INDEX_DTYPES, check_de
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_KEYS = 128    # a context split shorter than this never paid for its partials
+PLAN_MIN_KEYS = 4096    # the keys a captured step's smallest table holds (256 pages of 16)
 
 
 @triton.jit
@@ -263,7 +264,13 @@ def _plan(total_q: int, num_seqs: int, group: int, kv_heads: int, max_ctx: int,
         # lengths no warm-up enumerates): shapes met while serving find a compiled kernel.
         per_sm = 2 if rows_per_chunk <= 16 else 0 if block_m >= 128 and not tree else 1
         want = (per_sm * _num_sms(device)) // max(1, tiles * kv_heads)
-        n = max(1, min(want, triton.cdiv(max_ctx, 2 * MIN_SPLIT_KEYS) + 1, 17))
+        # An eager call's table is its context's own width: planned from it, a catch-up
+        # would compile a kernel per context range while serving (an H200's draft at ctx
+        # 4096: two 1.4-1.7 s steps, past the verify's deadline). So plan for at least a
+        # captured step's smallest table (PLAN_MIN_KEYS): the count then follows the
+        # batch's shape only, which the warm-up covers; unused splits find nothing to read.
+        n = max(1, min(want, triton.cdiv(max(max_ctx, PLAN_MIN_KEYS), 2 * MIN_SPLIT_KEYS) + 1,
+                       17))
         num_splits = n if n <= 2 else (1 << (n - 1).bit_length() - 1) + 1
     num_warps = 8 if block_m >= 128 else 4
     return block_m, block_n, num_splits, num_warps

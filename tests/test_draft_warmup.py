@@ -55,3 +55,17 @@ def test_long_chunks_plan_one_split(monkeypatch):
             assert plan[0] == 128 and plan[2] == 1, (q, ctx, plan)
     # a captured tree step (its ancestors given) keeps its splits: 65 nodes at batch 1
     assert _plan(65, 1, 4, 8, 1100, torch.device("cpu"), None, None, None, tree=True)[2] > 1
+
+
+def test_catch_up_splits_follow_the_batch_not_the_context(monkeypatch):
+    """An eager catch-up's table is its context's own width; its split count (a
+    compile-time constant) is planned as for a captured step's smallest table at least,
+    so the warm-up's catch-ups at short contexts compile what one at 4096+ tokens needs
+    (an H200's EAGLE-3 draft compiled two kernels at ctx 4096 while serving: 1.4-1.7 s)."""
+    import torch
+    from treespec.kernels import triton_tree_attention
+    monkeypatch.setattr(triton_tree_attention, "_num_sms", lambda device: 132)   # an H200
+    for q in (1, 3, 15, 40):                      # catch-up chunks of one sequence, 4 heads
+        splits = {_plan(q, 1, 4, 8, ctx, torch.device("cpu"), None, None, None)[2]
+                  for ctx in (64, 300, 1100, 2100, 4096, 9000, 40000)}
+        assert len(splits) == 1, (q, splits)
