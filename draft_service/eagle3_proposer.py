@@ -17,8 +17,9 @@ Lookahead (draft_service/lookahead.py): a guessed token has no target feature un
 verify has run, so ``guess`` gives guessed pairs the head's own outputs as features, by
 the same test-time rule as the tree's deeper levels: the output at the newest committed
 pair for the first guessed token, each next the output at the guessed pair before it
-(one head forward a guessed token; their KV is written). ``update`` with fewer tokens
-takes the guessed pairs back, and their pages never join the prefix cache.
+(one head forward a guessed token; their KV is written), after the committed pairs a hit
+step left without KV (it drafted nothing), from their target features. ``update`` with
+fewer tokens takes the guessed pairs back, and their pages never join the prefix cache.
 
 Rollback is free: tree nodes' KV was computed from the head's own outputs, never
 from target features, so none of it is kept. The next update's accepted tokens
