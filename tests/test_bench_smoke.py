@@ -258,3 +258,18 @@ def test_drafters_shadow_lookahead_mode_sets_the_hit_rate(tmp_path):
     plain = drafters.draft_argv("eagle3", "chain4", "shadow+la1", 1, tmp_path, tmp_path,
                                 "cpu", tmp_path / "c.json", 64)
     assert "--hit-rate" not in plain and "--lookahead" in plain
+
+
+def test_lookahead_quality_bench_scores_a_hit_s_tree(tmp_path):
+    """bench/lookahead_quality.py keys every lookahead by the step's true outcome: every
+    step after a sequence's first hits, the output is plain greedy's, and the draft
+    model's hit trees (its KV holds the true tokens) accept what trees drafted when asked
+    do."""
+    out = tmp_path / "q.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "lookahead_quality.py"), "--out",
+                    str(out), "--configs", "model:chain4", "--prompts", "2",
+                    "--prompt-tokens", "64", "--max-tokens", "24"],
+                   check=True, env=child_env(), timeout=300, cwd=ROOT)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["identical"] and row["hits"] >= row["steps"] - 2 > 0
+    assert row["ratio"] == 1.0
