@@ -50,6 +50,7 @@ from treespec.common.runtime.kv_cache import PagedKVCache, SeqPages
 from treespec.common.spec.sampling import SamplingParams
 from treespec.common.spec.tree import PAD, TreeBatch, TreeEnvelope, budget_depths
 from treespec.draft_service.draft_graphs import DraftGraphs, Extra
+from treespec.draft_service.lookahead import Row, draft_candidates
 from treespec.draft_service.proposer import RowSampling
 
 log = logging.getLogger("treespec.draft")
@@ -113,7 +114,7 @@ class KVDrafter:
         p = cls.load(cfg, device, pick_dtype(cfg.dtype, device))
         if device.type == "cuda":
             log.info("%s warm-up (kernel compiles, graph captures) took %.1f s", cls.name,
-                     p.warm_up())
+                     p.warm_up(lookahead=bool(cfg.lookahead and getattr(p, "lookahead", False))))
         return p
 
     # ------------------------------------------------------------ subclass hooks
@@ -266,12 +267,14 @@ class KVDrafter:
             trees.q_ids, trees.q_probs = out[-2], out[-1]
         return trees
 
-    def warm_up(self, lengths: tuple[int, ...] = (8, 200, 1100), batch: int = 8) -> float:
+    def warm_up(self, lengths: tuple[int, ...] = (8, 200, 1100), batch: int = 8,
+                lookahead: bool = False) -> float:
         """Capture the step at every batch bucket up to WARM_BATCH's (on a GPU), then run
         what serving runs: first syncs of several lengths, then steps that bring 1
         (the second one samples, when the group has several rows), a few more than a
         catch-up and several catch-ups' worth of new units (after a step the verify
-        service decoded without the draft), one sequence at a time, a batch, and on a
+        service decoded without the draft), then (lookahead) a lookahead's candidates,
+        one sequence at a time, a batch, and on a
         GPU every batch bucket up to WARM_BATCH's (as long as half the pages allow), so
         that compiles and captures (seconds each on a GPU) happen before serving, not
         in a step the verify service waits for. Sequences get ids no engine hands out
@@ -302,6 +305,10 @@ class KVDrafter:
                     RowSampling(SamplingParams(temperature=1.0), rejection=bool(i % 2))
                     for i in range(len(ids))]
                 self.propose(ids, sampled)
+            if lookahead:       # its eager forwards (EAGLE-3's guesses) at this batch
+                trees = self.propose(ids)
+                draft_candidates(self, [Row(sid, tokens[sid], t, p, None) for sid, t, p in zip(
+                    ids, trees.tokens.tolist(), trees.parents.tolist())], 1, None)
             for sid in ids:
                 self.release(sid)
         if gpu:

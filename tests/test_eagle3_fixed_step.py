@@ -14,13 +14,15 @@ from test_eagle3 import C, _inputs, _proposer, head_dir  # noqa: F401  (head_dir
 from tests_data import tp
 
 
-def test_warm_up_leaves_no_state_and_proposals_unchanged(head_dir):
-    """The GPU start-up warm-up (here eagerly, zero features) returns every page,
-    keeps no sequence, and later proposals equal a fresh proposer's."""
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_warm_up_leaves_no_state_and_proposals_unchanged(head_dir, lookahead):
+    """The GPU start-up warm-up (here eagerly, zero features; with a lookahead's guesses
+    too) returns every page, keeps no sequence, and later proposals equal a fresh
+    proposer's."""
     env = PRESETS["tree-small"]
     warm, cold = _proposer(head_dir, env), _proposer(head_dir, env)
     free = warm.cache.blocks.num_free
-    assert warm.warm_up(lengths=(3, 20), batch=3) >= 0
+    assert warm.warm_up(lengths=(3, 20), batch=3, lookahead=lookahead) >= 0
     assert not warm._seqs and warm.cache.blocks.num_free == free
     tokens, rows = _inputs(4, 9)
     for p in (warm, cold):
