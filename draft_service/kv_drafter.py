@@ -273,12 +273,12 @@ class KVDrafter:
         what serving runs: first syncs of several lengths, then steps that bring 1
         (the second one samples, when the group has several rows), a few more than a
         catch-up and several catch-ups' worth of new units (after a step the verify
-        service decoded without the draft), then (lookahead) a lookahead's candidates,
-        one sequence at a time, a batch, and on a
-        GPU every batch bucket up to WARM_BATCH's (as long as half the pages allow), so
-        that compiles and captures (seconds each on a GPU) happen before serving, not
-        in a step the verify service waits for. Sequences get ids no engine hands out
-        (< 0) and are released, leaving no state or page. Returns the seconds taken."""
+        service decoded without the draft), then (lookahead) a lookahead's candidates;
+        one sequence at a time, a batch, and on a GPU every batch bucket up to
+        WARM_BATCH's (as long as half the pages allow), so that compiles and captures
+        (seconds each on a GPU) happen before serving, not in a step the verify service
+        waits for. Sequences get ids no engine hands out (< 0) and are released, leaving
+        no state or page. Returns the seconds taken."""
         t0 = time.perf_counter()
         gpu = self.cache.device.type == "cuda"
         if gpu:
