@@ -10,9 +10,9 @@ held-out code files' first --prompt-tokens tokens). Per config two passes: seria
 (`--lookahead 0`), then *oracle* lookahead: each sequence's first candidate is drafted by
 the lookahead's own rule for the step's true outcome (plain greedy's tokens through the
 step's tree, then the next), and the connection asks on every step (its price held
-on), so every step after a sequence's first hits. The ratio of
-the two passes' accepted tokens a step is what a hit costs in tokens: the instruments
-(`bench/replay.py --shadow`) take their tokens from the replay and cannot show it.
+on), so every step after a sequence's first hits. The ratio of the two passes' accepted
+tokens a step is what a hit costs in tokens: the instruments (`bench/replay.py
+--shadow`) take their tokens from the replay and cannot show it.
 The DFlash rows of `bench/results/lookahead_quality_cpu.json` come from its pre-drafting
 trial (git 957a49b: guessed tokens inside its block), not kept.
 """
